@@ -1,0 +1,75 @@
+"""grcompile: a torch.compile compiler for generative-recommendation models.
+
+    model = grcompile.optimize(model)    # same call signature; compiled lazily; trains
+    print(grcompile.report(model))       # what each pass rewrote where, what fell back and why
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .capture import LOWERINGS, GrcompileBackend, GrcompileState, GraphPass, PassContext, Report
+from .capture.dump import resolve_dump_dir
+
+__version__ = "0.1.0"
+__all__ = ["__version__", "optimize", "report", "Report", "GraphPass", "PassContext", "OPTIONS"]
+
+# option -> default; dump_dir None means "$GRCOMPILE_DUMP_DIR if set".
+OPTIONS: dict[str, Any] = {"dump_dir": None, "passes": None, "lowering": "inductor",
+                           "dynamic": False, "fullgraph": False}
+
+_STATE_ATTR = "_grcompile_state"
+
+
+def _merge_options(options: dict[str, Any] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    options = dict(options or {})
+    for key in options.keys() & kwargs.keys():
+        if options[key] is not kwargs[key] and options[key] != kwargs[key]:
+            raise ValueError(f"option {key!r} given twice with different values")
+    options.update(kwargs)
+    unknown = sorted(options.keys() - OPTIONS.keys())
+    if unknown:
+        raise ValueError(f"unknown grcompile option(s) {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(sorted(OPTIONS))}")
+    return {**OPTIONS, **options}
+
+
+def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kwargs: Any) -> torch.nn.Module:
+    """Return ``model`` compiled lazily by torch.compile with the grcompile backend.
+
+    Options (as ``options={...}`` or keywords): ``dump_dir`` (default ``$GRCOMPILE_DUMP_DIR``),
+    ``passes`` (``None`` -> ``grcompile.passes.DEFAULT_PIPELINE``, else a list of ``GraphPass``),
+    ``lowering`` (``"inductor"`` or ``"eager"``: run the transformed graph as is),
+    ``dynamic`` and ``fullgraph`` (passed to torch.compile).
+    """
+    opts = _merge_options(options, kwargs)
+    if opts["lowering"] not in LOWERINGS:
+        raise ValueError(f"lowering must be one of {LOWERINGS}, got {opts['lowering']!r}")
+    if opts["passes"] is None:
+        from .passes import default_pipeline
+
+        passes = default_pipeline()
+    else:
+        passes = list(opts["passes"])
+        bad = [p for p in passes if not isinstance(p, GraphPass)]
+        if bad:
+            raise TypeError(f"passes must be GraphPass instances, got {bad!r}")
+    dump_dir: Path | None = resolve_dump_dir(opts["dump_dir"])
+    state = GrcompileState(passes=passes, lowering=opts["lowering"], dump_dir=dump_dir)
+    compiled = torch.compile(model, backend=GrcompileBackend(state), dynamic=opts["dynamic"],
+                             fullgraph=opts["fullgraph"])
+    # object.__setattr__: OptimizedModule.__setattr__ would forward it to the wrapped model,
+    # and report(original_model) must not pretend the original was optimized.
+    object.__setattr__(compiled, _STATE_ATTR, state)
+    return compiled
+
+
+def report(optimized: Any) -> Report:
+    """What grcompile did to ``optimized`` (a module returned by ``optimize``) so far."""
+    state = vars(optimized).get(_STATE_ATTR) if hasattr(optimized, "__dict__") else None
+    if not isinstance(state, GrcompileState):
+        raise TypeError(f"grcompile.report() needs a module returned by grcompile.optimize(), "
+                        f"got {type(optimized).__name__}")
+    return state.report()

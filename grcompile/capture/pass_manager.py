@@ -1,0 +1,157 @@
+"""The pass manager: what a pass is, what it may record, and how the ordered pipeline runs.
+
+A pass (``GraphPass``) receives the Dynamo-captured ``torch.fx.GraphModule`` (pre-autograd torch
+IR: torch functions and ``Tensor`` methods, parameters lifted to placeholders) and mutates it in
+place. It tells the world what it did through its ``PassContext``: ``ctx.rewrite(...)`` for every
+site it changed, ``ctx.fallback(...)`` for every site it recognised but chose to leave alone, and
+``ctx.counters`` for anything else worth counting (inductor's ``counters["inductor"]`` idea).
+
+``run_pipeline`` is transactional per pass: a pass that raises, or that leaves a graph failing
+``lint()``, is undone (graph and submodules restored, its records dropped) and recorded as a
+fallback. A wrong rewrite is worse than none.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch.fx as fx
+
+__all__ = ["GraphPass", "PassContext", "PassResult", "node_site", "pass_name", "run_pipeline"]
+
+
+class GraphPass:
+    """One graph transformation. Subclasses implement ``__call__``.
+
+    Contract:
+      * ``__call__(gm, ctx) -> None`` mutates ``gm.graph`` in place (it may add submodules or
+        attributes to ``gm``); it need not call ``recompile()`` or ``lint()``, the pass manager
+        does both after it.
+      * Every changed site is reported with ``ctx.rewrite(op, node)``; a site that matched but was
+        left alone is reported with ``ctx.fallback(node, reason)``.
+      * The values computed by the graph at every valid output position must not change
+        (and so neither may gradients); a pass that cannot guarantee that for a site leaves it.
+      * Raising is allowed and safe: the pass manager restores the graph as it was before.
+
+    ``name`` labels dump files, report rows and counters; it defaults to the snake-cased class name.
+    """
+
+    name: str = ""
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={pass_name(self)!r})"
+
+
+def pass_name(p: Any) -> str:
+    """``p.name`` or the snake-cased class name (``FuseAttention`` -> ``fuse_attention``)."""
+    name = getattr(p, "name", "") or ""
+    if name:
+        return name
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(p).__name__).lower()
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def node_site(node: fx.Node | None) -> str:
+    """Short source location of ``node``: ``"hstu.py:30 in forward"`` from the innermost frame of
+    ``node.meta["stack_trace"]`` (the user's line, as Dynamo recorded it), else the node name."""
+    if node is None:
+        return "<graph>"
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    if not frames:
+        return node.name
+    filename, line, fn = frames[-1]
+    return f"{filename.replace(chr(92), '/').rsplit('/', 1)[-1]}:{line} in {fn}"
+
+
+@dataclass
+class PassContext:
+    """What a pass may record, for one captured graph. ``pass_name`` is set by the pipeline."""
+
+    graph_index: int = 0
+    pass_name: str = ""
+    counters: Counter[str] = field(default_factory=Counter)
+    rewrites: list[dict[str, Any]] = field(default_factory=list)
+    fallbacks: list[dict[str, Any]] = field(default_factory=list)
+
+    def rewrite(self, op: str, node: fx.Node | None, **extra: Any) -> None:
+        """Record that this pass rewrote ``node`` into ``op`` (also counted as ``<pass>.<op>``)."""
+        self.rewrites.append({"pass": self.pass_name, "op": op, "site": node_site(node),
+                              "graph": self.graph_index, **extra})
+        self.counters[f"{self.pass_name}.{op}"] += 1
+
+    def fallback(self, node: fx.Node | None, reason: str) -> None:
+        """Record that this pass recognised ``node`` but left it as it was, and why."""
+        site = node_site(node) if node is not None else f"<graph {self.graph_index}>"
+        self.fallbacks.append({"pass": self.pass_name, "site": site, "reason": reason,
+                               "graph": self.graph_index})
+
+    def count(self, key: str, n: int = 1) -> None:
+        """Bump the pass-scoped counter ``<pass>.<key>``."""
+        self.counters[f"{self.pass_name}.{key}"] += n
+
+
+@dataclass
+class PassResult:
+    """What one pass did to one graph; handed to the ``on_pass`` callback (dumps, logging)."""
+
+    index: int  # 1-based position in the pipeline
+    name: str
+    nodes_before: int
+    nodes_after: int
+    rewrites: list[dict[str, Any]]
+    counters: dict[str, int]
+    error: str | None = None  # set when the pass was undone
+
+
+OnPass = Callable[[fx.GraphModule, PassResult], None]
+
+
+def run_pipeline(gm: fx.GraphModule, passes: Sequence[GraphPass], ctx: PassContext,
+                 on_pass: OnPass | None = None) -> fx.GraphModule:
+    """Run ``passes`` in order over ``gm`` (in place); lint + recompile after each one.
+
+    A pass that raises (or breaks ``lint``) is rolled back and becomes a fallback at site
+    ``<graph k>``; the next pass sees the graph as it was before the failed one.
+    """
+    for i, graph_pass in enumerate(passes, start=1):
+        name = pass_name(graph_pass)
+        ctx.pass_name = name
+        saved_graph = copy.deepcopy(gm.graph)  # node copies; meta (fake tensors) shared, not copied
+        saved_modules = (dict(gm._modules), dict(gm._parameters), dict(gm._buffers))
+        saved_attrs = set(vars(gm))
+        n_rewrites, saved_counters = len(ctx.rewrites), Counter(ctx.counters)
+        n_fallbacks = len(ctx.fallbacks)
+        nodes_before = len(gm.graph.nodes)
+        error: str | None = None
+        try:
+            graph_pass(gm, ctx)
+            gm.graph.lint()
+            gm.recompile()
+        except Exception as exc:  # noqa: BLE001 - any failure means "leave the graph alone"
+            error = repr(exc)
+            del ctx.rewrites[n_rewrites:], ctx.fallbacks[n_fallbacks:]
+            ctx.counters.clear()
+            ctx.counters.update(saved_counters)
+            for attr in set(vars(gm)) - saved_attrs:
+                delattr(gm, attr)
+            for table, saved in zip((gm._modules, gm._parameters, gm._buffers), saved_modules):
+                table.clear()
+                table.update(saved)
+            gm.graph = saved_graph
+            gm.recompile()
+            ctx.fallback(None, error)
+        if on_pass is not None:
+            delta = {k: v - saved_counters.get(k, 0) for k, v in ctx.counters.items()
+                     if v != saved_counters.get(k, 0)}
+            on_pass(gm, PassResult(i, name, nodes_before, len(gm.graph.nodes),
+                                   ctx.rewrites[n_rewrites:], delta, error))
+    ctx.pass_name = ""
+    return gm

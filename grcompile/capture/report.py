@@ -1,0 +1,49 @@
+"""``Report``: what the pipeline did to a compiled module, as data (``to_dict`` / ``to_json``)
+and as a table for people (``str``)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Report"]
+
+
+@dataclass
+class Report:
+    rewrites: list[dict[str, Any]] = field(default_factory=list)   # {pass, op, site, graph}
+    fallbacks: list[dict[str, Any]] = field(default_factory=list)  # {pass, site, reason, graph}
+    compiles: int = 0          # graphs handed to the backend (recompiles included)
+    graph_breaks: int = 0      # Dynamo graph breaks since optimize()
+    counters: dict[str, int] = field(default_factory=dict)         # "<pass>.<what>" -> count
+    passes: list[str] = field(default_factory=list)                # pipeline, in order
+    lowering: str = "inductor"
+    graph_break_reasons: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, indent=indent, default=str)
+
+    def __str__(self) -> str:
+        lines = [
+            f"grcompile report: {self.compiles} graph(s) compiled, {len(self.passes)} pass(es) in "
+            f"pipeline, {len(self.rewrites)} rewrite(s), {len(self.fallbacks)} fallback(s), "
+            f"{self.graph_breaks} graph break(s)"
+        ]
+        if not self.passes:
+            lines.append("no passes in the pipeline: the graph is lowered unchanged")
+        else:
+            lines.append(f"pipeline: {' -> '.join(self.passes)}; lowering: {self.lowering}")
+            if not self.rewrites and not self.fallbacks:
+                lines.append("no pass fired")
+        for r in self.rewrites:
+            lines.append(f"  rewrite   graph {r.get('graph', '?')}  {r['pass']}: {r['op']}  at {r['site']}")
+        for f in self.fallbacks:
+            lines.append(f"  fallback  graph {f.get('graph', '?')}  {f['pass']}  at {f['site']}: {f['reason']}")
+        if self.counters:
+            lines.append("counters: " + ", ".join(f"{k}={v}" for k, v in sorted(self.counters.items())))
+        for reason, n in sorted(self.graph_break_reasons.items()):
+            lines.append(f"  graph break x{n}: {reason}")
+        return "\n".join(lines)

@@ -1,0 +1,156 @@
+"""The training loop: sampled-softmax next-item retrieval, Adam, per-epoch validation with early
+stopping on NDCG@10, test metrics of the best validation state."""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from models import SampledSoftmaxRetrieval, build_encoder
+
+from ..data import EvalLoader, TrainLoader, get_dataset
+from . import checkpoint
+from .config import TrainConfig
+from .metrics import evaluate
+
+
+def build(config: TrainConfig):
+    """Dataset split, encoder, loss module (uncompiled) — identical for every compile mode."""
+    ds = get_dataset(config.data, max_len=config.max_len or 200, seed=config.seed, k_core=config.k_core,
+                     **config.synthetic)
+    split = ds.leave_one_out()
+    torch.manual_seed(config.seed)
+    encoder = build_encoder(config.model, config.preset, ds.num_items, max_len=config.max_len,
+                            **config.model_overrides)
+    task = SampledSoftmaxRetrieval(encoder, temperature=config.temperature)
+    return ds, split, encoder, task
+
+
+def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: bool = False,
+          progress: bool = True, log=print) -> dict[str, Any]:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    ds, split, encoder, task = build(config)
+    max_len = encoder.config.max_len
+    loader = TrainLoader(split.train, config.batch_size, max_len, ds.num_items, config.num_negatives, config.seed)
+    valid_loader = EvalLoader(split.valid, config.eval_batch_size, max_len)
+    test_loader = EvalLoader(split.test, config.eval_batch_size, max_len)
+    optimizer = torch.optim.Adam(task.parameters(), lr=config.lr, betas=(0.9, 0.98),
+                                 weight_decay=config.weight_decay)
+
+    from ..modes import apply_compile_mode, describe_mode
+    step_fn = apply_compile_mode(task, config.compile)
+    log(f"[grcompile.train] {config.model}/{config.preset} on {ds.name}: {len(split.train)} users, "
+        f"{ds.num_items} items, max_len {max_len}, {len(loader)} steps/epoch; {describe_mode(step_fn)}")
+
+    state: dict[str, Any] = dict(epoch=0, step_in_epoch=0, global_step=0, losses=[], valid_history=[],
+                                 best_metric=-math.inf, best_epoch=-1, best_state=None, bad_epochs=0,
+                                 train_seconds=0.0, valid_tokens=0)
+    torch.manual_seed(config.seed)
+    if resume:
+        if checkpoint_dir is None:
+            raise ValueError("--resume needs --checkpoint-dir")
+        saved = checkpoint.load(checkpoint_dir)
+        if saved["config"] != _resume_key(config):
+            raise ValueError("--resume: the checkpoint was written by a run with a different config")
+        task.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        torch.set_rng_state(saved["rng"])
+        state = saved["state"]
+        log(f"[grcompile.train] resumed at epoch {state['epoch']} step {state['step_in_epoch']}")
+
+    def save_checkpoint() -> None:
+        if checkpoint_dir is not None:
+            checkpoint.save(checkpoint_dir, dict(config=_resume_key(config), model=task.state_dict(),
+                                                 optimizer=optimizer.state_dict(), rng=torch.get_rng_state(),
+                                                 state=state))
+
+    started = time.perf_counter() - state["train_seconds"]
+    stop_reason = "epochs"
+    task.train()
+    while state["epoch"] < config.epochs:
+        epoch = state["epoch"]
+        bar = tqdm(loader.iterate(epoch, state["step_in_epoch"]), total=len(loader), initial=state["step_in_epoch"],
+                   desc=f"epoch {epoch}", disable=not progress, mininterval=2.0, leave=False)
+        epoch_start, epoch_tokens, stopped = time.perf_counter(), 0, False
+        for batch in bar:
+            optimizer.zero_grad(set_to_none=True)
+            loss = step_fn(batch["ids"], batch["timestamps"], batch["negatives"])
+            loss.backward()
+            optimizer.step()
+            tokens = int((batch["ids"] != 0).sum())
+            epoch_tokens += tokens
+            state["valid_tokens"] += tokens
+            state["losses"].append(float(loss.detach()))
+            state["global_step"] += 1
+            state["step_in_epoch"] += 1
+            bar.set_postfix(loss=f"{state['losses'][-1]:.4f}",
+                            tok_s=f"{epoch_tokens / max(time.perf_counter() - epoch_start, 1e-9):.0f}", refresh=False)
+            if config.steps is not None and state["global_step"] >= config.steps:
+                stop_reason, stopped = "steps", True
+                break
+            if config.max_minutes is not None and time.perf_counter() - started > 60 * config.max_minutes:
+                stop_reason, stopped = "max_minutes", True
+                break
+        bar.close()
+        state["train_seconds"] = time.perf_counter() - started
+        if stopped:
+            save_checkpoint()
+            break
+        state["epoch"], state["step_in_epoch"] = epoch + 1, 0
+        if (epoch + 1) % config.eval_every == 0 or epoch + 1 == config.epochs:
+            metrics = evaluate(encoder, valid_loader)
+            metrics["epoch"] = epoch + 1
+            state["valid_history"].append(metrics)
+            improved = metrics["ndcg@10"] > state["best_metric"]
+            if improved:
+                state.update(best_metric=metrics["ndcg@10"], best_epoch=epoch + 1, bad_epochs=0,
+                             best_state=copy.deepcopy(task.state_dict()))
+            else:
+                state["bad_epochs"] += config.eval_every
+            recent = state["losses"][-len(loader):]
+            log(f"epoch {epoch + 1}: loss {np.mean(recent):.4f}  valid hr@10 {metrics['hr@10']:.4f} "
+                f"ndcg@10 {metrics['ndcg@10']:.4f}{' *' if improved else ''}  "
+                f"{(time.perf_counter() - epoch_start) / 60:.2f} min")
+        state["train_seconds"] = time.perf_counter() - started
+        save_checkpoint()
+        if state["bad_epochs"] >= config.patience:
+            stop_reason = "early_stopping"
+            break
+
+    if state["best_state"] is not None:
+        task.load_state_dict(state["best_state"])
+    test = evaluate(encoder, test_loader)
+    epochs_done = state["epoch"] + state["step_in_epoch"] / len(loader)
+    result = {
+        "config": config.to_dict(),
+        "dataset": ds.name,
+        "num_items": ds.num_items,
+        "losses": state["losses"],
+        "final_loss": state["losses"][-1] if state["losses"] else None,
+        **{k: v for k, v in test.items() if k != "examples"},
+        "test": test,
+        "valid_history": state["valid_history"],
+        "best_epoch": state["best_epoch"],
+        "epochs_run": epochs_done,
+        "steps_run": state["global_step"],
+        "stop_reason": stop_reason,
+        "train_minutes": state["train_seconds"] / 60,
+        "minutes_per_epoch": state["train_seconds"] / 60 / max(epochs_done, 1e-9),
+        "tokens_per_s": state["valid_tokens"] / max(state["train_seconds"], 1e-9),
+        "compile_mode": describe_mode(step_fn),
+    }
+    return result
+
+
+def _resume_key(config: TrainConfig) -> dict[str, Any]:
+    """The config minus the fields a resumed run may change (where to stop)."""
+    key = config.to_dict()
+    for field in ("epochs", "steps", "max_minutes", "threads"):
+        key.pop(field)
+    return key
