@@ -31,7 +31,7 @@ test-slow: install
 
 bench: install
 	$(PY) -m grcompile.bench --model hstu --preset small --max-len 1024 --batch-size 32 \
-		--modes eager,inductor,grcompile --json docs/bench/hstu-small.json --plot docs/bench/hstu-small.png
+		--modes eager,inductor,grcompile --json docs/bench/hstu-small-1024.json --plot docs/bench/hstu-small-1024.png
 
 clean:
 	rm -rf $(VENV) .hypothesis .pytest_cache

@@ -62,3 +62,11 @@ def test_resume_rejects_other_config(tmp_path):
 def test_other_models_train(model):
     result = main([a if a != "hstu" else model for a in TINY] + ["--steps", "3"])
     assert len(result["losses"]) == 3 and all(math.isfinite(x) for x in result["losses"])
+
+
+def test_plot_curves(tmp_path):
+    from grcompile.train.plot import main as plot_main
+
+    main(TINY + ["--epochs", "2", "--json", str(tmp_path / "r.json")])
+    plot_main([str(tmp_path / "r.json"), "--out", str(tmp_path / "curves.png")])
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,8 @@
+"""Compile-mode training benchmark: ``python -m grcompile.bench`` (see README.md here).
+
+One subprocess per mode (``grcompile.bench.worker``) on identical seeded batches and weights;
+analytic valid-token FLOPs in ``grcompile.bench.flops``; bar chart in ``grcompile.bench.plot``.
+"""
+from .flops import forward_flops, training_flops, valid_lengths
+
+__all__ = ["forward_flops", "training_flops", "valid_lengths"]

@@ -1,0 +1,223 @@
+"""``python -m grcompile.bench``: training-step benchmark of the compile modes, one subprocess per mode.
+
+    python -m grcompile.bench --model hstu --preset small --max-len 1024 --batch-size 32 \\
+        --modes eager,inductor,grcompile --steps 5 --warmup 1 \\
+        --json docs/bench/hstu-small-1024.json --plot docs/bench/hstu-small-1024.png
+
+Each mode runs ``python -m grcompile.bench.worker`` in a fresh process on the same seeded batches
+and initial weights; a mode that fails is recorded with its error instead of stopping the run.
+See grcompile/bench/README.md for the JSON schema.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from models import PRESETS
+
+MODES = ("eager", "inductor", "grcompile")
+RESULT_KEYS = ("step_ms", "peak_mem_mb", "tokens_per_s", "tflops")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m grcompile.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(PRESETS), default="hstu")
+    p.add_argument("--preset", default="small", help="preset name (models/presets.py)")
+    p.add_argument("--max-len", type=int, default=None, help="padded sequence length (default: the preset's)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per mode")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each worker")
+    p.add_argument("--num-users", type=int, default=None,
+                   help="synthetic users (default: max(512, 2 x batch x (warmup + steps)))")
+    p.add_argument("--num-items", type=int, default=None, help="synthetic items (default: the generator's, 3000)")
+    p.add_argument("--num-negatives", type=int, default=128)
+    p.add_argument("--dropout", type=float, default=None,
+                   help="override the preset's dropout (0 makes losses comparable across modes)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per mode before it is killed")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="write a bar chart (PNG) here")
+    args = p.parse_args(argv)
+    if args.preset not in PRESETS[args.model]:
+        p.error(f"--preset {args.preset!r} unknown; choose from {sorted(PRESETS[args.model])}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        p.error(f"--modes {args.modes!r}: choose from {','.join(MODES)}")
+    if len(set(modes)) != len(modes):
+        p.error(f"--modes {args.modes!r} repeats a mode")
+    args.modes = modes
+    if args.max_len is None:
+        args.max_len = PRESETS[args.model][args.preset]["max_len"]
+    for name in ("max_len", "batch_size", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    return args
+
+
+def _tail(text: str, lines: int = 30, chars: int = 4000) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])[-chars:]
+
+
+def run_mode(config: dict[str, Any], mode: str, timeout: float | None = None, echo: bool = True) -> dict[str, Any]:
+    """Run one worker subprocess; returns its result dict, or ``{"mode", "error", "returncode"}``.
+
+    The worker's stderr is echoed live (when ``echo``) and its tail kept for the error record; the
+    result is read from the worker's result file, else from the last line of its stdout.
+    """
+    with tempfile.TemporaryDirectory(prefix="grcompile-bench-") as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        cfg = dict(config, mode=mode, result_path=result_path)
+        cmd = [sys.executable, "-m", "grcompile.bench.worker", json.dumps(cfg)]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, bufsize=1)
+        except OSError as exc:
+            return {"mode": mode, "error": f"could not start worker: {exc}", "returncode": None}
+        stderr_tail: collections.deque[str] = collections.deque(maxlen=200)
+        stdout_lines: list[str] = []
+
+        def pump_stderr() -> None:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                stderr_tail.append(line.rstrip("\n"))
+                if echo:
+                    sys.stderr.write(f"  | {line}")
+                    sys.stderr.flush()
+
+        def pump_stdout() -> None:
+            assert proc.stdout is not None
+            stdout_lines.extend(proc.stdout)
+
+        readers = [threading.Thread(target=pump_stderr, daemon=True), threading.Thread(target=pump_stdout, daemon=True)]
+        for reader in readers:
+            reader.start()
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            proc.kill()
+            proc.wait()
+        for reader in readers:
+            reader.join(timeout=10)
+        stdout = "".join(stdout_lines)
+        wall = time.perf_counter() - t0
+        tail = _tail("\n".join(stderr_tail))
+        if timed_out:
+            return {"mode": mode, "error": f"timed out after {timeout} s\n{tail}", "returncode": None, "wall_s": wall}
+        result = None
+        if os.path.exists(result_path):
+            try:
+                with open(result_path) as f:
+                    result = json.load(f)
+            except (OSError, json.JSONDecodeError):
+                result = None
+        if result is None and stdout.strip():
+            try:
+                result = json.loads(stdout.strip().splitlines()[-1])
+            except json.JSONDecodeError:
+                result = None
+        if proc.returncode != 0 or not isinstance(result, dict):
+            return {"mode": mode, "error": tail or f"worker exited with {proc.returncode} and no result",
+                    "returncode": proc.returncode, "wall_s": wall}
+        result["wall_s"] = wall
+        return result
+
+
+def ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """speedup_vs_eager = eager step_ms / mode step_ms; mem_vs_eager = mode peak / eager peak."""
+    eager = results.get("eager", {})
+    out: dict[str, dict[str, float | None]] = {}
+    for mode, r in results.items():
+        ok = "error" not in r and "error" not in eager and eager
+        speed = eager["step_ms"] / r["step_ms"] if ok and r.get("step_ms") else None
+        mem = r["peak_mem_mb"] / eager["peak_mem_mb"] if ok and r.get("peak_mem_mb") and eager.get("peak_mem_mb") \
+            else None
+        out[mode] = {"speedup_vs_eager": speed, "mem_vs_eager": mem}
+    return out
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    c = report["config"]
+    lines = [f"grcompile.bench: {c['model']}/{c['preset']}, max_len {c['max_len']}, batch {c['batch_size']}, "
+             f"{c['steps']} timed steps after {c['warmup']} warmup, seed {c['seed']}"]
+    header = (f"{'mode':<10} {'step ms':>10} {'p10-p90 ms':>17} {'compile s':>9} {'peak MB':>9} {'tok/s':>9} "
+              f"{'TFLOP/s':>8} {'speedup':>8} {'mem':>6} {'first loss':>11} {'last loss':>10}")
+    lines += [header, "-" * len(header)]
+    for mode, r in report["results"].items():
+        if "error" in r:
+            first = r["error"].strip().splitlines()[-1] if r["error"].strip() else "error"
+            lines.append(f"{mode:<10} FAILED: {first[:150]}")
+            continue
+        rt = report["ratios"].get(mode, {})
+        spread = f"{r['step_ms_p10']:.1f}-{r['step_ms_p90']:.1f}"
+        lines.append(f"{mode:<10} {r['step_ms']:>10.1f} {spread:>17} {r['compile_s']:>9.1f} {r['peak_mem_mb']:>9.0f} "
+                     f"{r['tokens_per_s']:>9.0f} {r['tflops']:>8.4f} {_fmt(rt.get('speedup_vs_eager'), '.2f'):>7}x "
+                     f"{_fmt(rt.get('mem_vs_eager'), '.2f'):>5}x {r['first_loss']:>11.6f} {r['last_loss']:>10.6f}")
+    ok = [r for r in report["results"].values() if "error" not in r]
+    if ok:
+        r0 = ok[0]
+        lines.append(f"valid tokens/step {r0['valid_tokens_per_step']:.0f}, padding {r0['padding_fraction']:.1%}, "
+                     f"model FLOPs/step {r0['flops_per_step'] / 1e9:.4g} GFLOP (valid tokens only), "
+                     f"device {r0['device']}, torch {r0['torch_version']}, {r0['num_threads']} threads")
+    for mode, r in report["results"].items():
+        if "error" in r:
+            lines.append(f"  {mode}: FAILED")
+        else:
+            text = r["description"]
+            lines.append(f"  {text}" if text.startswith(f"{mode}:") else f"  {mode}: {text}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = dict(model=args.model, preset=args.preset, max_len=args.max_len, batch_size=args.batch_size,
+                  steps=args.steps, warmup=args.warmup, seed=args.seed, threads=args.threads,
+                  num_users=args.num_users, num_items=args.num_items, num_negatives=args.num_negatives,
+                  dropout=args.dropout, device=args.device, dataset="synthetic")
+    results: dict[str, dict[str, Any]] = {}
+    for mode in args.modes:
+        print(f"[grcompile.bench] running {mode} ...", file=sys.stderr, flush=True)
+        results[mode] = run_mode(config, mode, timeout=args.timeout)
+        r = results[mode]
+        if "error" in r:
+            print(f"[grcompile.bench] {mode} FAILED:\n{r['error']}", file=sys.stderr, flush=True)
+        else:
+            print(f"[grcompile.bench] {mode}: {r['step_ms']:.1f} ms/step, peak {r['peak_mem_mb']:.0f} MB "
+                  f"({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+    report = {"config": config, "results": results, "ratios": ratios(results)}
+    print(format_table(report))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"[grcompile.bench] wrote {args.json}")
+    if args.plot:
+        from .plot import plot_report
+
+        plot_report(report, args.plot)
+        print(f"[grcompile.bench] wrote {args.plot}")
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""One compile mode of the benchmark, run in its own process (``python -m grcompile.bench.worker``).
+
+Input: a JSON config as the first argument (or on stdin when there is none / it is ``-``).
+Output: one JSON line on stdout (the last line), and the same JSON written to
+``config["result_path"]`` when given. Everything else goes to stderr.
+
+Every mode builds the same data (same seed → same synthetic dataset, same batches) and the same
+initial weights (``torch.manual_seed(seed)`` right before the model is built, and again right
+before the first step so dropout draws the same stream in eager), then applies the compile mode
+to the ``SampledSoftmaxRetrieval`` module and runs ``warmup + steps`` training steps of
+``zero_grad → loss forward → backward → Adam step``, each timed with ``time.perf_counter``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+DEFAULTS: dict[str, Any] = dict(model="hstu", preset="small", max_len=1024, batch_size=32, steps=5, warmup=2,
+                                seed=0, threads=None, num_users=None, num_items=None, num_negatives=128,
+                                dropout=None, lr=1e-3, temperature=0.05, device="cpu", mode="eager",
+                                result_path=None)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def peak_rss_mb() -> float | None:
+    """Peak resident set size of this process (VmHWM), MB (MiB)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    try:  # non-Linux fallback
+        import resource
+
+        scale = 1024.0 * 1024.0 if sys.platform == "darwin" else 1024.0
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
+    except Exception:  # pragma: no cover
+        return None
+
+
+def current_rss_mb() -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
+def _fallback_mode(module: Any, mode: str) -> tuple[Any, str]:
+    """Used only while grcompile.modes does not exist yet (eager / inductor only)."""
+    import torch
+
+    if mode == "eager":
+        return module, "eager: no compilation (PyTorch eager)"
+    if mode == "inductor":
+        return torch.compile(module, backend="inductor"), "inductor: torch.compile(backend='inductor')"
+    raise RuntimeError(f"compile mode {mode!r} needs grcompile.modes.apply_compile_mode, which is not importable")
+
+
+def apply_mode(module: Any, mode: str) -> tuple[Any, Any]:
+    """Returns (compiled module, describe() -> str)."""
+    try:
+        from grcompile.modes import apply_compile_mode, describe_mode
+    except ImportError as exc:
+        log(f"[bench.worker] grcompile.modes not importable ({exc}); using the built-in eager/inductor fallback")
+        compiled, text = _fallback_mode(module, mode)
+        return compiled, (lambda: text)
+    compiled = apply_compile_mode(module, mode)
+    return compiled, (lambda: describe_mode(compiled))
+
+
+def batches(cfg: dict[str, Any], needed: int) -> tuple[list[dict[str, Any]], int]:
+    """The first ``needed`` batches of the seeded synthetic loader (epochs cycled if short)."""
+    from grcompile.data import TrainLoader, get_dataset
+
+    synthetic = {k: cfg[k] for k in ("num_users", "num_items") if cfg.get(k) is not None}
+    if "num_users" not in synthetic:
+        synthetic["num_users"] = max(512, 2 * cfg["batch_size"] * needed)
+    ds = get_dataset("synthetic", max_len=cfg["max_len"], seed=cfg["seed"], **synthetic)
+    split = ds.leave_one_out()
+    loader = TrainLoader(split.train, cfg["batch_size"], cfg["max_len"], ds.num_items,
+                         num_negatives=cfg["num_negatives"], seed=cfg["seed"])
+    out: list[dict[str, Any]] = []
+    epoch = 0
+    while len(out) < needed:
+        for batch in loader.iterate(epoch):
+            out.append(batch)
+            if len(out) == needed:
+                break
+        epoch += 1
+    return out, ds.num_items
+
+
+def _percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    if len(values) == 1:
+        return values[0]
+    pos = (len(values) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from grcompile.bench.flops import TRAINING_MULTIPLIER, forward_flops, training_flops, valid_lengths
+    from models import SampledSoftmaxRetrieval, build_encoder
+
+    cfg = {**DEFAULTS, **cfg}
+    mode, seed = cfg["mode"], int(cfg["seed"])
+    if cfg["steps"] < 1:
+        raise ValueError("steps must be >= 1")
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg["threads"]))
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    device = torch.device(cfg["device"])
+    cuda = device.type == "cuda"
+
+    total_steps = int(cfg["warmup"]) + int(cfg["steps"])
+    data, num_items = batches(cfg, total_steps)
+    data = [{k: v.to(device) for k, v in b.items()} for b in data]
+
+    torch.manual_seed(seed)
+    encoder = build_encoder(cfg["model"], cfg["preset"], num_items, max_len=cfg["max_len"], dropout=cfg["dropout"])
+    task = SampledSoftmaxRetrieval(encoder, temperature=cfg["temperature"]).to(device)
+    task.train()
+    optimizer = torch.optim.Adam(task.parameters(), lr=cfg["lr"])
+    step_fn, describe = apply_mode(task, mode)
+
+    pad = encoder.config.pad_id
+    lengths = [valid_lengths(b["ids"].cpu(), pad) for b in data]
+    rss_before = current_rss_mb()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+    torch.manual_seed(seed)
+    times, losses = [], []
+    for i, b in enumerate(data):
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = step_fn(b["ids"], b["timestamps"], b["negatives"])
+        loss.backward()
+        optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+        log(f"[bench.worker] {mode} step {i + 1}/{total_steps}: {times[-1] * 1e3:.1f} ms, loss {losses[-1]:.6f}, "
+            f"peak RSS {peak_rss_mb():.0f} MB")
+
+    timed = times[cfg["warmup"]:] if len(times) > cfg["warmup"] else times
+    timed_lengths = lengths[len(times) - len(timed):]
+    median_s = statistics.median(timed)
+    B, N = data[0]["ids"].shape
+    tokens = [sum(ls) for ls in timed_lengths]
+    mean_tokens = sum(tokens) / len(tokens)
+    flops = [training_flops(encoder.config, ls, cfg["num_negatives"]) for ls in timed_lengths]
+    mean_flops = sum(flops) / len(flops)
+    parts = [forward_flops(encoder.config, ls, cfg["num_negatives"]) for ls in timed_lengths]
+    breakdown = {k: TRAINING_MULTIPLIER * sum(p[k] for p in parts) / len(parts) for k in parts[0]}
+    rss_peak = peak_rss_mb()
+    cuda_peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
+
+    return {
+        "mode": mode,
+        "description": describe(),
+        "step_ms": median_s * 1e3,
+        "step_ms_p10": _percentile(timed, 0.1) * 1e3,
+        "step_ms_p90": _percentile(timed, 0.9) * 1e3,
+        "step_ms_all": [t * 1e3 for t in times],
+        "compile_s": times[0],
+        "timed_steps": len(timed),
+        "peak_mem_mb": cuda_peak if cuda else rss_peak,
+        "peak_rss_mb": rss_peak,
+        "rss_before_steps_mb": rss_before,
+        "cuda_max_allocated_mb": cuda_peak,
+        "tokens_per_s": mean_tokens / median_s,
+        "valid_tokens_per_step": mean_tokens,
+        "padding_fraction": 1.0 - mean_tokens / (B * N),
+        "flops_per_step": mean_flops,
+        "flops_breakdown_per_step": breakdown,
+        "tflops": mean_flops / median_s / 1e12,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "losses": losses,
+        "device": str(device) if not cuda else f"{device} ({torch.cuda.get_device_name(device)})",
+        "torch_version": torch.__version__,
+        "num_threads": torch.get_num_threads(),
+        "num_items": num_items,
+        "model_config": encoder.config.to_dict(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    text = argv[0] if argv and argv[0] != "-" else sys.stdin.read()
+    cfg = json.loads(text)
+    result = run(cfg)
+    line = json.dumps(result)
+    if cfg.get("result_path"):
+        tmp = cfg["result_path"] + ".part"
+        with open(tmp, "w") as f:
+            f.write(line)
+        os.replace(tmp, cfg["result_path"])
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""grcompile.bench: analytic FLOPs, the CLI end to end, failure recording."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from grcompile.bench.__main__ import format_table, ratios, run_mode
+from grcompile.bench.flops import forward_flops, training_flops, valid_lengths
+from models import build_encoder, make_config
+
+REPO = Path(__file__).resolve().parents[2]
+SHAPE = dict(embedding_dim=4, num_heads=2, attention_dim=3, linear_dim=5, ffn_dim=8, num_blocks=1)
+
+
+def test_flops_hand_computed() -> None:
+    """D=4, H=2, dqk=3, dv=5, F=8, lengths [2, 3] -> T=5, causal pairs P=3+6=9, R=2."""
+    lengths, R = [2, 3], 2
+    hstu = make_config("hstu", "ml1m", 10, **SHAPE)
+    # uvqk 2*5*4*2*(6+10)=1280, out 2*5*2*5*4=400, attn 2*9*2*3+2*9*2*5=288, loss 2*5*3*4=120
+    assert forward_flops(hstu, lengths, R) == dict(projections=1680, attention=288, ffn=0, loss=120, total=2088)
+    assert training_flops(hstu, lengths, R) == 3 * 2088
+    two = make_config("hstu", "ml1m", 10, **dict(SHAPE, num_blocks=2))
+    assert forward_flops(two, lengths, R)["total"] == 2 * (1680 + 288) + 120
+    # FuXi: uvqk 2*5*4*2*(20+6)=2080, out 2*5*30*4=1200, attn 108+3*180=648, SwiGLU 3*2*5*4*8=960
+    assert forward_flops(make_config("fuxi", "ml1m", 10, **SHAPE), lengths, R)["total"] == 2080 + 1200 + 648 + 960 + 120
+    # SASRec: qkv 2*5*4*2*(6+5)=880, out 400, attn 288, FFN 2*2*5*4*8=640
+    assert forward_flops(make_config("sasrec", "ml1m", 10, **SHAPE), lengths, R)["total"] == 880 + 400 + 288 + 640 + 120
+    assert valid_lengths(torch.tensor([[3, 4, 0], [0, 0, 0]])) == [2, 0]
+
+
+@pytest.mark.parametrize("model", ["hstu", "fuxi", "sasrec"])
+def test_flops_match_layer_shapes(model: str) -> None:
+    """On one fully valid row the dense model computes every (i, j) pair: torch's matmul count
+    equals the formula with the causal pair count P replaced by N^2."""
+    N = 6
+    config = dict(SHAPE, num_blocks=2, dropout=0.0)
+    enc = build_encoder(model, "ml1m", num_items=20, max_len=N, **config).eval()
+    ids = torch.arange(1, N + 1).unsqueeze(0)
+    ts = torch.arange(N).unsqueeze(0) * 100
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        enc(ids, ts)
+    ours = forward_flops(enc.config, [N], num_negatives=0)
+    dense = ours["projections"] + ours["ffn"] + Fraction(ours["attention"]) * N * N / (N * (N + 1) // 2)
+    assert counter.get_total_flops() == dense
+
+
+def test_cli_smoke(tmp_path: Path) -> None:
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    cmd = [sys.executable, "-m", "grcompile.bench", "--preset", "ml1m", "--max-len", "16", "--batch-size", "4",
+           "--steps", "2", "--warmup", "1", "--modes", "eager,grcompile", "--num-users", "64", "--num-items", "50",
+           "--dropout", "0", "--json", str(out_json), "--plot", str(out_png)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out_json.read_text())
+    assert set(report) == {"config", "results", "ratios"}
+    assert report["config"]["max_len"] == 16 and report["config"]["batch_size"] == 4
+    for mode in ("eager", "grcompile"):
+        r = report["results"][mode]
+        for key in ("step_ms", "peak_mem_mb", "tokens_per_s", "tflops", "flops_per_step", "padding_fraction"):
+            assert isinstance(r[key], float) and r[key] > 0, (mode, key, r[key])
+        assert set(report["ratios"][mode]) == {"speedup_vs_eager", "mem_vs_eager"}
+    assert report["ratios"]["eager"] == {"speedup_vs_eager": 1.0, "mem_vs_eager": 1.0}
+    eager, grc = report["results"]["eager"], report["results"]["grcompile"]
+    assert eager["flops_per_step"] == grc["flops_per_step"]  # same batches
+    assert grc["first_loss"] == pytest.approx(eager["first_loss"], rel=1e-5)  # same batches and weights
+    assert "pass" in grc["description"] and "grcompile" in proc.stdout
+    assert grc["description"] in proc.stdout
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_failing_mode_is_recorded() -> None:
+    config = dict(model="hstu", preset="ml1m", max_len=8, batch_size=2, steps=1, warmup=0, seed=0,
+                  num_users=16, num_items=20)
+    r = run_mode(config, "no-such-mode", echo=False)
+    assert "error" in r and "no-such-mode" in r["error"] and r["returncode"] != 0
+    results = {"eager": {"step_ms": 2.0, "peak_mem_mb": 100.0}, "no-such-mode": r}
+    assert ratios(results)["no-such-mode"] == {"speedup_vs_eager": None, "mem_vs_eager": None}
+    table = format_table({"config": dict(config, steps=1), "results": {"no-such-mode": r}, "ratios": {}})
+    assert "FAILED" in table
