@@ -1,0 +1,326 @@
+"""Layouts of padded tensors and how each canonical op moves them.
+
+``Token(batch, seq, ndim)``: the tensor is indexed by (row, position) on axes ``batch`` and
+``seq`` (``batch`` is ``None`` when it broadcasts over rows, e.g. a positional table
+``[1, N, D]`` or ``arange(N)``); other axes are features. ``Pair(batch, q, k, ndim)``: indexed by
+(row, query position, key position) — attention scores, biases, masks. ``None``: no padded
+structure we can vouch for (reductions or shifts along the sequence end a layout).
+
+Rules follow op *semantics* (which axis goes where), never shape coincidences, so ``B == N``
+cannot confuse them. An unknown op yields ``None``: the safe answer.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch.fx as fx
+
+from .op_semantics import arg, canonical, shape_of
+
+
+@dataclass(frozen=True)
+class Token:
+    batch: int | None
+    seq: int | None  # None: a per-row value such as lengths [B]
+    ndim: int
+
+    def axes(self) -> dict[str, int]:
+        return {**({"n": self.seq} if self.seq is not None else {}),
+                **({"b": self.batch} if self.batch is not None else {})}
+
+
+@dataclass(frozen=True)
+class Pair:
+    batch: int | None
+    q: int
+    k: int
+    ndim: int
+
+    def axes(self) -> dict[str, int]:
+        return {"q": self.q, "k": self.k, **({"b": self.batch} if self.batch is not None else {})}
+
+
+@dataclass(frozen=True)
+class TupleOf:
+    """Result of split/chunk along a feature axis: every element has ``element``."""
+    element: Token | Pair
+
+
+Layout = Token | Pair | TupleOf | None
+
+
+def _shift(layout: Token | Pair, mapping: Callable[[int], int | None], ndim: int) -> Layout:
+    """Apply an axis mapping; a token axis that disappears ends the layout."""
+    fields = {"batch": layout.batch} | ({"seq": layout.seq} if isinstance(layout, Token) else
+                                        {"q": layout.q, "k": layout.k})
+    out = {}
+    for name, axis in fields.items():
+        if axis is None:
+            out[name] = None
+            continue
+        new = mapping(axis)
+        if new is None:
+            if name == "batch" and "seq" in fields and fields["seq"] is not None:
+                out[name] = None  # the row axis was size 1 (broadcast): dropping it is harmless
+                continue
+            return None
+        out[name] = new
+    return replace(layout, ndim=ndim, **out)
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _touches(layout: Token | Pair, dims: set[int]) -> bool:
+    return any(a in dims for a in layout.axes().values())
+
+
+def _layout(env: dict[fx.Node, Layout], value: Any) -> Layout:
+    return env.get(value) if isinstance(value, fx.Node) else None
+
+
+def combine_pointwise(inputs: list[tuple[Layout, tuple[int, ...] | None]], out_ndim: int) -> Layout:
+    """Broadcasting combination. Token axes of the inputs (right-aligned) must agree; two
+    distinct sequence axes make a Pair (query axis first)."""
+    batch: set[int] = set()
+    seqs: set[int] = set()
+    pair: Pair | None = None
+    for layout, shape in inputs:
+        if layout is None:
+            continue
+        if isinstance(layout, TupleOf):
+            return None
+        offset = out_ndim - layout.ndim
+        if layout.batch is not None and shape is not None and shape[layout.batch] != 1:
+            batch.add(layout.batch + offset)
+        if isinstance(layout, Token):
+            if layout.seq is not None:
+                seqs.add(layout.seq + offset)
+        else:
+            q, k = layout.q + offset, layout.k + offset
+            if pair is not None and (pair.q, pair.k) != (q, k):
+                return None
+            pair = Pair(None, q, k, out_ndim)
+    if len(batch) > 1:
+        return None
+    b = next(iter(batch), None)
+    if pair is not None:
+        if not seqs <= {pair.q, pair.k} or b in (pair.q, pair.k):
+            return None
+        return replace(pair, batch=b)
+    if len(seqs) == 1:
+        (n,) = seqs
+        return None if b == n else Token(b, n, out_ndim)
+    if len(seqs) == 2:
+        q, k = sorted(seqs)
+        return None if b in (q, k) else Pair(b, q, k, out_ndim)
+    return Token(b, None, out_ndim) if b is not None and not seqs else None
+
+
+def _reshape_map(src: tuple[int, ...], dst: tuple[int, ...]) -> Callable[[int], int | None]:
+    """Axis ``a`` of ``src`` survives a reshape to ``dst`` iff some ``dst`` axis has the same size
+    and the same number of elements before it (so no merge or split touches it)."""
+    def mapping(a: int) -> int | None:
+        before, size = math.prod(src[:a]), src[a]
+        for b in range(len(dst)):
+            if dst[b] == size and math.prod(dst[:b]) == before:
+                return b
+        return None
+    return mapping
+
+
+def _getitem(layout: Token | Pair, index: Any, in_shape: tuple[int, ...], out_ndim: int) -> Layout:
+    items = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, fx.Node) for i in items):
+        return None  # advanced indexing of a padded tensor: a gather along unknown axes
+    explicit = sum(1 for i in items if i is not None and i is not Ellipsis)
+    mapping: dict[int, int | None] = {}
+    src = dst = 0
+    for item in items:
+        if item is Ellipsis:
+            for _ in range(len(in_shape) - explicit):
+                mapping[src] = dst
+                src, dst = src + 1, dst + 1
+        elif item is None:
+            dst += 1
+        elif isinstance(item, int):
+            mapping[src] = None
+            src += 1
+        elif isinstance(item, slice):
+            full = item.step in (None, 1) and item.start in (None, 0) and (
+                item.stop is None or (isinstance(item.stop, int) and item.stop >= in_shape[src]))
+            mapping[src] = dst if full else -1  # -1: a token axis sliced => sequence shift
+            src, dst = src + 1, dst + 1
+        else:
+            return None
+    while src < len(in_shape):
+        mapping[src] = dst
+        src, dst = src + 1, dst + 1
+    if any(mapping.get(a) == -1 for a in layout.axes().values()):
+        return None
+    return _shift(layout, lambda a: mapping.get(a), out_ndim)
+
+
+def _einsum(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
+    equation = node.args[0]
+    operands = node.args[1:]
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+        return None
+    lhs, out = equation.replace(" ", "").split("->")
+    specs = lhs.split(",")
+    if len(specs) != len(operands) or not re.fullmatch(r"[a-zA-Z]*", out):
+        return None
+    roles: dict[str, str] = {}
+    seq_letters: list[str] = []
+    for spec, operand in zip(specs, operands):
+        layout = _layout(env, operand)
+        if layout is None:
+            continue
+        if not isinstance(layout, (Token, Pair)):
+            return None
+        for role, axis in layout.axes().items():
+            letter = spec[axis]
+            role = "n" if role in ("q", "k", "n") else role
+            if roles.setdefault(letter, role) != role:
+                return None
+            if role == "n" and letter not in seq_letters:
+                seq_letters.append(letter)
+    batch = [out.index(l) for l, r in roles.items() if r == "b" and l in out]
+    b = batch[0] if batch else None
+    kept = [l for l in seq_letters if l in out]
+    contracted = [l for l in seq_letters if l not in out]
+    if len(kept) == 1 and len(contracted) <= 1:
+        # a contraction over a sequence axis is only a valid token op for score @ v
+        if contracted and not any(isinstance(_layout(env, o), Pair) for o in operands):
+            return None
+        return Token(b, out.index(kept[0]), len(out))
+    if len(kept) == 2 and not contracted:
+        q, k = sorted(out.index(l) for l in kept)
+        return Pair(b, q, k, len(out))
+    return None
+
+
+def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
+    """The layout of ``node``'s output given its inputs' layouts in ``env``."""
+    op = canonical(node)
+    out_shape = shape_of(node)
+    x = node.args[0] if node.args else None
+    lx = _layout(env, x)
+    in_shape = shape_of(x)
+    if op in ("split", "chunk") and isinstance(lx, (Token, Pair)):
+        d = _norm_dim(arg(node, 2, "dim", 0), len(in_shape))
+        return None if _touches(lx, {d}) else TupleOf(lx)
+    if op is None or out_shape is None:
+        return None
+    nd = len(out_shape)
+
+    if op in ("ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "add", "sub", "mul", "div", "neg",
+              "unary", "where", "masked_fill"):
+        tensors = [a for a in list(node.args) + list(node.kwargs.values()) if isinstance(a, fx.Node)]
+        return combine_pointwise([(env.get(a), shape_of(a)) for a in tensors], nd)
+    if op == "dropout":
+        return lx if isinstance(lx, (Token, Pair)) else None
+    if not isinstance(lx, (Token, Pair, TupleOf)) and op not in ("matmul", "einsum", "embedding", "getitem",
+                                                                  "tril", "triu", "cat", "arange"):
+        return None
+    if op == "unsqueeze":
+        d = _norm_dim(arg(node, 1, "dim"), nd)
+        return _shift(lx, lambda a: a + (a >= d), nd)
+    if op == "squeeze":
+        d = arg(node, 1, "dim")
+        if d is None or not isinstance(d, int):
+            return None
+        d = _norm_dim(d, len(in_shape))
+        return None if _touches(lx, {d}) and in_shape[d] != 1 else _shift(lx, lambda a: None if a == d else a - (a > d), nd)
+    if op == "reshape":
+        return _shift(lx, _reshape_map(in_shape, out_shape), nd)
+    if op == "expand":
+        return _shift(lx, lambda a: a + nd - len(in_shape), nd)
+    if op == "transpose":
+        d0, d1 = (_norm_dim(arg(node, i, n), nd) for i, n in ((1, "dim0"), (2, "dim1")))
+        swapped = _shift(lx, lambda a: d1 if a == d0 else d0 if a == d1 else a, nd)
+        if isinstance(swapped, Pair) and swapped.q > swapped.k:
+            return None  # transposed scores (k, q): not an attention layout we rewrite
+        return swapped
+    if op == "permute":
+        dims = node.args[1:] if len(node.args) > 2 else arg(node, 1, "dims")
+        order = [_norm_dim(d, nd) for d in dims]
+        moved = _shift(lx, lambda a: order.index(a), nd)
+        return None if isinstance(moved, Pair) and moved.q > moved.k else moved
+    if op == "getitem":
+        if isinstance(lx, TupleOf):
+            return lx.element
+        idx = node.args[1]
+        if isinstance(idx, fx.Node) and lx is None:
+            # table[index]: a gather from an unpadded table by padded indices (RAB tables)
+            li = _layout(env, idx)
+            if isinstance(li, (Token, Pair)):
+                return replace(li, ndim=nd)
+            return None
+        if isinstance(lx, (Token, Pair)):
+            return _getitem(lx, idx, in_shape, nd)
+        return None
+    if op == "embedding":
+        li = _layout(env, x)
+        return replace(li, ndim=nd) if isinstance(li, (Token, Pair)) else None
+    if op in ("linear",):
+        return lx if not _touches(lx, {len(in_shape) - 1}) else None
+    if op in ("layer_norm", "rms_norm"):
+        shape = arg(node, 1, "normalized_shape")
+        k = len(shape) if isinstance(shape, (list, tuple)) else 1
+        return lx if not _touches(lx, set(range(nd - k, nd))) else None
+    if op == "normalize":
+        d = _norm_dim(arg(node, 2, "dim", 1), nd)
+        return lx if not _touches(lx, {d}) else None
+    if op == "softmax":
+        d = _norm_dim(arg(node, 1, "dim"), nd)
+        if isinstance(lx, Pair):
+            return lx if d == lx.k else None
+        return lx if not _touches(lx, {d}) else None
+    if op == "reduce":
+        dims = arg(node, 1, "dim")
+        if dims is None:
+            return None
+        dims = {_norm_dim(d, len(in_shape)) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+        if _touches(lx, dims):
+            return None
+        keep = bool(arg(node, 2, "keepdim", False))
+        return _shift(lx, lambda a: a if keep else a - sum(d < a for d in dims), nd)
+    if op == "cat":
+        tensors = arg(node, 0, "tensors")
+        d = _norm_dim(arg(node, 1, "dim", 0), nd)
+        layouts = {env.get(t) for t in tensors}
+        if len(layouts) == 1:
+            (only,) = layouts
+            if isinstance(only, (Token, Pair)) and not _touches(only, {d}):
+                return only
+        return None
+    if op in ("tril", "triu"):
+        if isinstance(lx, Pair):
+            return lx
+        # tril(ones(N, N)): a positional mask; its two trailing axes are (query, key)
+        return Pair(None, nd - 2, nd - 1, nd) if lx is None and nd >= 2 else None
+    if op == "matmul":
+        a, b = node.args[0], node.args[1]
+        la, lb = _layout(env, a), _layout(env, b)
+        na, nb = len(shape_of(a)), len(shape_of(b))
+        batch = next((l.batch + nd - l.ndim for l in (la, lb)
+                      if isinstance(l, (Token, Pair)) and l.batch is not None), None)
+        if isinstance(la, Token) and la.seq == na - 2 and isinstance(lb, Token) and lb.seq == nb - 1:
+            return Pair(batch, nd - 2, nd - 1, nd)  # q @ kᵀ
+        if isinstance(la, Pair) and la.k == na - 1 and isinstance(lb, Token) and lb.seq == nb - 2:
+            return Token(batch, nd - 2, nd)  # scores @ v: contraction over keys
+        if isinstance(la, Token) and la.seq != na - 1 and lb is None and nb <= 2:
+            return Token(la.batch if la.batch is None else la.batch + nd - na, la.seq + nd - na, nd)
+        return None
+    if op == "einsum":
+        return _einsum(node, env)
+    if op == "arange":
+        return None  # positions get their layout from the padding analysis (it knows N)
+    return None

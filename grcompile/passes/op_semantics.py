@@ -1,0 +1,117 @@
+"""One canonical name per torch-IR operation, whatever spelling the user's code used.
+
+Dynamo records ``x != 0`` as ``operator.ne``, ``torch.ne`` as a function, ``x.ne(0)`` as a
+method, ``F.linear`` as ``torch._C._nn.linear``… Passes match on ``canonical(node)`` and read the
+node's arguments through ``arg(node, i, name)``, so one rule covers every spelling.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+_FUNCTIONS: dict[Any, str] = {}
+_METHODS: dict[str, str] = {}
+
+
+def _register(name: str, *targets: Any, methods: tuple[str, ...] = ()) -> None:
+    for t in targets:
+        _FUNCTIONS[t] = name
+    for m in methods:
+        _METHODS[m] = name
+
+
+# comparisons and logic
+_register("ne", operator.ne, torch.ne, torch.not_equal, methods=("ne", "__ne__", "not_equal"))
+_register("eq", operator.eq, torch.eq, methods=("eq", "__eq__"))
+_register("gt", operator.gt, torch.gt, methods=("gt", "__gt__", "greater"))
+_register("ge", operator.ge, torch.ge, methods=("ge", "__ge__"))
+_register("lt", operator.lt, torch.lt, methods=("lt", "__lt__", "less"))
+_register("le", operator.le, torch.le, methods=("le", "__le__"))
+_register("and", operator.and_, torch.logical_and, torch.bitwise_and,
+          methods=("logical_and", "bitwise_and", "__and__"))
+_register("or", operator.or_, torch.logical_or, torch.bitwise_or, methods=("logical_or", "bitwise_or", "__or__"))
+_register("not", operator.invert, torch.logical_not, torch.bitwise_not,
+          methods=("logical_not", "bitwise_not", "__invert__"))
+# arithmetic
+_register("add", operator.add, torch.add, operator.iadd, methods=("add", "__add__", "__radd__"))
+_register("sub", operator.sub, torch.sub, torch.subtract, methods=("sub", "__sub__", "__rsub__"))
+_register("mul", operator.mul, torch.mul, torch.multiply, operator.imul, methods=("mul", "__mul__", "__rmul__"))
+_register("div", operator.truediv, torch.div, torch.true_divide, methods=("div", "__truediv__", "true_divide"))
+_register("neg", operator.neg, torch.neg, methods=("neg", "__neg__"))
+_register("matmul", operator.matmul, torch.matmul, torch.bmm, torch.mm, methods=("matmul", "bmm", "mm", "__matmul__"))
+_register("einsum", torch.einsum)
+# unary pointwise (layout-preserving, value-wise)
+_UNARY = ("silu", "relu", "gelu", "sigmoid", "tanh", "exp", "log", "abs", "sqrt", "rsqrt", "clamp", "pow",
+          "float", "long", "int", "bool", "half", "bfloat16", "to", "type_as", "contiguous", "clone",
+          "log1p", "floor", "ceil", "round", "sign", "square", "elu", "leaky_relu", "softplus", "detach")
+for _name in _UNARY:
+    targets = [getattr(mod, _name) for mod in (torch, F) if hasattr(mod, _name)]
+    _register("unary", *targets, methods=(_name,))
+_register("unary", torch.clamp_min, torch.clamp_max, torch.clip, methods=("clamp_min", "clamp_max", "clip"))
+# shape / layout
+_register("unsqueeze", torch.unsqueeze, methods=("unsqueeze",))
+_register("squeeze", torch.squeeze, methods=("squeeze",))
+_register("reshape", torch.reshape, methods=("view", "reshape"))
+_register("transpose", torch.transpose, torch.swapaxes, methods=("transpose", "swapaxes"))
+_register("permute", torch.permute, methods=("permute",))
+_register("expand", methods=("expand", "expand_as"))
+_register("split", torch.split, torch.functional.split, methods=("split",))
+_register("chunk", torch.chunk, methods=("chunk",))
+_register("cat", torch.cat, torch.concat, torch.concatenate)
+_register("getitem", operator.getitem)
+# row-wise library ops
+_register("linear", F.linear, torch._C._nn.linear)
+_register("layer_norm", F.layer_norm, torch.layer_norm)
+_register("rms_norm", F.rms_norm, *([torch.rms_norm] if hasattr(torch, "rms_norm") else []))
+_register("normalize", F.normalize)
+_register("dropout", F.dropout, torch.dropout)
+_register("embedding", F.embedding, torch.embedding)
+_register("softmax", F.softmax, torch.softmax, F.log_softmax, torch.log_softmax, methods=("softmax", "log_softmax"))
+_register("reduce", torch.sum, torch.mean, torch.amax, torch.amin, methods=("sum", "mean", "amax", "amin"))
+_register("where", torch.where, methods=("where",))
+_register("masked_fill", torch.masked_fill, methods=("masked_fill",))
+_register("tril", torch.tril, methods=("tril",))
+_register("triu", torch.triu, methods=("triu",))
+_register("factory", torch.ones, torch.zeros, torch.full, torch.empty, torch.ones_like, torch.zeros_like,
+          torch.full_like, torch.empty_like)
+_register("arange", torch.arange)
+
+
+def canonical(node: fx.Node) -> str | None:
+    """Canonical op name of ``node`` or ``None`` (placeholders, outputs, unknown ops)."""
+    if node.op == "call_function":
+        try:
+            return _FUNCTIONS.get(node.target)
+        except TypeError:  # unhashable target
+            return None
+    if node.op == "call_method":
+        return _METHODS.get(node.target)
+    return None
+
+
+def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """The argument at position ``index`` or keyword ``name`` (``self`` of a method is index 0)."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def example(value: Any) -> Any:
+    """The example value Dynamo recorded for a node (a FakeTensor), or the value itself."""
+    if isinstance(value, fx.Node):
+        return value.meta.get("example_value", value.meta.get("val"))
+    return value
+
+
+def shape_of(value: Any) -> tuple[int, ...] | None:
+    ex = example(value)
+    if isinstance(ex, torch.Tensor):
+        try:
+            return tuple(int(s) for s in ex.shape)
+        except TypeError:  # symbolic sizes
+            return None
+    return None
