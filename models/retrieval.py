@@ -8,11 +8,15 @@ import torch.nn.functional as F
 
 
 class SampledSoftmaxRetrieval(nn.Module):
-    """``forward(ids, timestamps, negatives [B, R]) -> mean loss over valid positions``.
+    """``forward(ids, timestamps, negatives) -> mean loss over valid positions``.
 
-    Position i predicts ``ids[:, i + 1]``; it counts when both items are real. The R negatives of
-    a row are shared by its positions, so the logits are one batched matmul [B, N, D]·[B, D, R]
-    rather than a [B, N, R, D] gather. A negative that equals the positive is masked out.
+    Position i predicts ``ids[:, i + 1]``; it counts when both items are real. A negative that
+    equals the positive is masked out. ``negatives`` is either
+      * ``[B, R]``: shared by the positions of a row; logits are one batched matmul
+        [B, N, D]·[B, D, R] (cheap at any catalogue size), or
+      * ``[B, N, R]``: per position, as in the HSTU paper; logits are scored against the whole
+        normalised table once ([B·N, D]·[D, V+1], one GEMM) and the R columns of each position
+        gathered, so no [B, N, R, D] tensor is built (for catalogues that fit a [B·N, V+1] matrix).
     """
 
     def __init__(self, encoder: nn.Module, temperature: float = 0.05) -> None:
@@ -27,8 +31,15 @@ class SampledSoftmaxRetrieval(nn.Module):
         valid = (ids[:, :-1] != pad) & (targets != pad)
 
         positive = (user * self.encoder.item_embeddings(targets)).sum(-1, keepdim=True)
-        negative = torch.bmm(user, self.encoder.item_embeddings(negatives).transpose(1, 2))
-        negative = negative.masked_fill(negatives.unsqueeze(1) == targets.unsqueeze(2), float("-inf"))
+        if negatives.dim() == 3:
+            negatives = negatives[:, :-1]
+            table = self.encoder.all_item_embeddings()  # [V + 1, D]
+            negative = torch.matmul(user, table.T).gather(-1, negatives)  # [B, N-1, R]
+            same = negatives == targets.unsqueeze(2)
+        else:
+            negative = torch.bmm(user, self.encoder.item_embeddings(negatives).transpose(1, 2))
+            same = negatives.unsqueeze(1) == targets.unsqueeze(2)
+        negative = negative.masked_fill(same, float("-inf"))
         logits = torch.cat([positive, negative], dim=-1) / self.temperature
         loss = -F.log_softmax(logits, dim=-1)[..., 0]
         return (loss * valid).sum() / valid.sum().clamp(min=1)

@@ -24,17 +24,20 @@ def pad_batch(sequences: list[Sequence], max_len: int) -> tuple[torch.Tensor, to
 class TrainLoader:
     """Shuffled padded training batches, deterministic in (seed, epoch, step).
 
-    Yields ``dict(ids=[B, N], timestamps=[B, N], negatives=[B, R])``; the R negatives of a row
-    are uniform over 1..num_items (shared by the row's positions, see SampledSoftmaxRetrieval).
+    Yields ``dict(ids=[B, N], timestamps=[B, N], negatives=...)`` with R negatives uniform over
+    1..num_items: ``[B, R]`` shared by a row's positions, or ``[B, N, R]`` per position when
+    ``per_position`` (the HSTU setup; see SampledSoftmaxRetrieval for the cost of each).
     """
 
     def __init__(self, sequences: list[Sequence], batch_size: int, max_len: int, num_items: int,
-                 num_negatives: int = 128, seed: int = 0, drop_last: bool = True) -> None:
+                 num_negatives: int = 128, seed: int = 0, drop_last: bool = True,
+                 per_position: bool = False) -> None:
         sequences = [s for s in sequences if len(s) >= 2]  # one item gives no (input, target) pair
         if not sequences:
             raise ValueError("no training sequence has two or more items")
         self.sequences, self.batch_size, self.max_len = sequences, batch_size, max_len
         self.num_items, self.num_negatives, self.seed, self.drop_last = num_items, num_negatives, seed, drop_last
+        self.per_position = per_position
 
     def __len__(self) -> int:
         n = len(self.sequences)
@@ -46,7 +49,8 @@ class TrainLoader:
             rows = order[step * self.batch_size:(step + 1) * self.batch_size]
             ids, ts = pad_batch([self.sequences[r] for r in rows], self.max_len)
             rng = np.random.default_rng((self.seed, epoch, step, 1))
-            negatives = torch.from_numpy(rng.integers(1, self.num_items + 1, size=(len(rows), self.num_negatives)))
+            shape = (len(rows), self.max_len, self.num_negatives) if self.per_position else (len(rows), self.num_negatives)
+            negatives = torch.from_numpy(rng.integers(1, self.num_items + 1, size=shape))
             yield {"ids": ids, "timestamps": ts, "negatives": negatives}
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:

@@ -123,42 +123,47 @@ def abstract_eval(gm: fx.GraphModule, inputs: list[Any]) -> Any:
             env[node] = node.target(*args, **kwargs) if node.op == "call_function" else \
                 getattr(args[0], node.target)(*args[1:], **kwargs)
             continue
-        op = canonical(node)
-        zero = lambda v: _all(v, lambda t: t == 0)  # noqa: E731
-        result: Any = ANY
-        args = [ANY if isinstance(a, _Any) else a for a in args]
-        if op == "mul" and any(zero(v) for v in args[:2]):
-            result = torch.zeros(())
-        elif op == "and" and any(_all(v, lambda t: ~t.bool()) for v in args[:2]):
-            result = torch.zeros((), dtype=torch.bool)
-        elif op == "or" and any(_all(v, lambda t: t.bool()) for v in args[:2]):
-            result = torch.ones((), dtype=torch.bool)
-        elif op == "where" and args[0] is not ANY:
-            cond = args[0]
-            if _all(cond, lambda t: t.bool()):
-                result = args[1]
-            elif _all(cond, lambda t: ~t.bool()):
-                result = args[2]
-        elif op == "masked_fill" and args[1] is not ANY:
-            fill = arg(node, 2, "value")
-            fill = env.get(fill, fill) if isinstance(fill, fx.Node) else fill
-            if _all(args[1], lambda t: t.bool()) and fill is not ANY:
-                result = torch.as_tensor(fill)
-            elif _all(args[1], lambda t: ~t.bool()):
-                result = args[0]
-        elif op == "div" and zero(args[0]):
-            result = torch.zeros(())
-        elif op in ("add", "sub") and len(args) >= 2 and args[0] is ANY and args[1] is not ANY and \
-                _all(args[1], lambda t: (t if op == "add" else -t) <= MASKED_LOGIT):
-            result = MASKED  # an additive mask: x + (−1e4) is a masked logit for |x| well below 1e4
-        elif op == "add" and len(args) >= 2 and args[1] is ANY and args[0] is not ANY and \
-                _all(args[0], lambda t: t <= MASKED_LOGIT):
-            result = MASKED
-        elif op == "unary" and node.target in ("float", "to", "type_as", "long", "int", "bool", "contiguous",
-                                                "clone") and args[0] is not ANY:
-            result = args[0]
-        env[node] = result
+        env[node] = _apply(node, args, kwargs, env)
     raise AssertionError("graph without output")
+
+
+def _apply(node: fx.Node, args: list, kwargs: dict, env: dict) -> Any:
+    """One op of the abstract evaluation, with at least one ``ANY`` among its inputs."""
+    op = canonical(node)
+    zero = lambda v: _all(v, lambda t: t == 0)  # noqa: E731
+    result: Any = ANY
+    args = [ANY if isinstance(a, _Any) else a for a in args]
+    if op == "mul" and any(zero(v) for v in args[:2]):
+        result = torch.zeros(())
+    elif op == "and" and any(_all(v, lambda t: ~t.bool()) for v in args[:2]):
+        result = torch.zeros((), dtype=torch.bool)
+    elif op == "or" and any(_all(v, lambda t: t.bool()) for v in args[:2]):
+        result = torch.ones((), dtype=torch.bool)
+    elif op == "where" and args[0] is not ANY:
+        cond = args[0]
+        if _all(cond, lambda t: t.bool()):
+            result = args[1]
+        elif _all(cond, lambda t: ~t.bool()):
+            result = args[2]
+    elif op == "masked_fill" and args[1] is not ANY:
+        fill = arg(node, 2, "value")
+        fill = env.get(fill, fill) if isinstance(fill, fx.Node) else fill
+        if _all(args[1], lambda t: t.bool()) and fill is not ANY:
+            result = torch.as_tensor(fill)
+        elif _all(args[1], lambda t: ~t.bool()):
+            result = args[0]
+    elif op == "div" and zero(args[0]):
+        result = torch.zeros(())
+    elif op in ("add", "sub") and len(args) >= 2 and args[0] is ANY and args[1] is not ANY and \
+            _all(args[1], lambda t: (t if op == "add" else -t) <= MASKED_LOGIT):
+        result = MASKED  # an additive mask: x + (−1e4) is a masked logit for |x| well below 1e4
+    elif op == "add" and len(args) >= 2 and args[1] is ANY and args[0] is not ANY and \
+            _all(args[0], lambda t: t <= MASKED_LOGIT):
+        result = MASKED
+    elif op == "unary" and node.target in ("float", "to", "type_as", "long", "int", "bool", "contiguous",
+                                            "clone") and args[0] is not ANY:
+        result = args[0]
+    return result
 
 
 def is_masked(value: Any, normalize: str) -> bool:
@@ -168,15 +173,40 @@ def is_masked(value: Any, normalize: str) -> bool:
     return not isinstance(value, _Any) and _all(value, lambda t: t == 0)
 
 
-def _validity_origin(node: fx.Node, validity: set[fx.Node]) -> bool:
-    """Is ``node`` a validity mask up to reshapes and casts?"""
-    while node not in validity:
-        if canonical(node) in _SHAPE_ONLY or (canonical(node) == "unary" and node.target in
-                                              ("float", "to", "type_as", "long", "int", "bool", "half")):
-            node = node.args[0]
-        else:
-            return False
-    return True
+_CASTS = ("float", "to", "type_as", "long", "int", "bool", "half", "double", "contiguous", "clone")
+
+
+def side_value(node: Any, valid: torch.Tensor, validity: set, padding: set, depth: int = 12) -> Any:
+    """Abstract value of a per-token side input when the token's validity is ``valid``: follows
+    the token-level math from the validity (``True`` = real) or padding mask down to ``node``
+    (shape-only ops are identities on this scalar view); anything else is ``ANY``."""
+    if not isinstance(node, fx.Node):
+        return node
+    if node in validity:
+        return valid
+    if node in padding:
+        return ~valid
+    if depth == 0:
+        return ANY
+    op = canonical(node)
+    if op in _SHAPE_ONLY or (op == "getitem" and not isinstance(node.args[1], fx.Node)
+                             and isinstance(node.args[0], fx.Node) and canonical(node.args[0]) != "split"):
+        return side_value(node.args[0], valid, validity, padding, depth - 1)
+    if op == "unary" and node.target in _CASTS:
+        base = side_value(node.args[0], valid, validity, padding, depth - 1)
+        if isinstance(base, _Any):
+            return base
+        dtype = example(node).dtype
+        return base.to(dtype)
+    if op in _POINTWISE:
+        lookup = lambda a: side_value(a, valid, validity, padding, depth - 1)  # noqa: E731
+        args = list(fx.node.map_arg(node.args, lookup))
+        kwargs = dict(fx.node.map_arg(node.kwargs, lookup))
+        if not any(isinstance(v, _Any) for v in args + list(kwargs.values())):
+            return node.target(*args, **kwargs) if node.op == "call_function" else \
+                getattr(args[0], node.target)(*args[1:], **kwargs)
+        return _apply(node, args, kwargs, {})
+    return ANY
 
 
 def _role(leaf: fx.Node, consumer: fx.Node, layouts: dict) -> str:
@@ -338,14 +368,14 @@ def collect_from(top: fx.Node, layouts: dict) -> tuple[list[fx.Node], dict[fx.No
     return sorted(region, key=order.__getitem__), leaves
 
 
-def prove(cap: Capture, validity: set[fx.Node], N: int) -> bool:
+def prove(cap: Capture, validity: set[fx.Node], N: int, padding: set[fx.Node] = frozenset()) -> bool:
     """Check the exactness obligations; returns whether ``causal=True`` is proved.
 
     Raises ``Unsupported`` if a padded key may contribute (then the fused op would differ)."""
-    is_valid = [_validity_origin(s.node, validity) for s in cap.sides]
+    padding = set(padding)
 
     def inputs(q_pos, k_pos, q_valid, k_valid):
-        sides = [(q_valid if s.role == "q" else k_valid) if v else ANY for s, v in zip(cap.sides, is_valid)]
+        sides = [side_value(s.node, q_valid if s.role == "q" else k_valid, validity, padding) for s in cap.sides]
         return [ANY, q_pos, k_pos, *sides, *[ANY] * len(cap.tables)]
 
     true, false = torch.tensor(True), torch.tensor(False)

@@ -31,9 +31,10 @@ _COMPARE = ("ne", "eq", "gt", "ge", "lt", "le")
 class PaddingInfo:
     batch: int
     seq_len: int
-    validity: list[fx.Node]  # boolean [B, N] masks, most used first
+    validity: list[fx.Node]  # boolean [B, N] masks (True = real item), most used first
     description: str  # how validity is computed, in the user's terms
     layouts: dict[fx.Node, Layout] = field(default_factory=dict)
+    padding: list[fx.Node] = field(default_factory=list)  # boolean [B, N] masks (True = padding)
 
 
 def _is_int_tensor(node: object) -> bool:
@@ -51,8 +52,7 @@ def _describe(node: fx.Node, negated: bool = False) -> str | None:
         return None
     a, b = node.args[0], node.args[1]
     symbol = {"ne": "!=", "eq": "==", "gt": ">", "ge": ">=", "lt": "<", "le": "<="}[op]
-    if op == "eq" and not negated:
-        return None  # `ids == pad` marks padding; validity is its negation
+
     if isinstance(a, fx.Node) and a.op == "placeholder" and _is_int_tensor(a) and isinstance(b, (int, float)):
         return f"{a.name} {symbol} {b}"
     if isinstance(a, fx.Node) and isinstance(b, fx.Node) and (_involves_arange(a) or _involves_arange(b)):
@@ -84,7 +84,7 @@ class DetectPadding(GraphPass):
             return
         for node, layout in info.layouts.items():
             node.meta[LAYOUT] = layout
-        ctx.count("validity_sources", len(info.validity))
+        ctx.count("validity_sources", len(info.validity) + len(info.padding))
         ctx.count("token_tensors", sum(isinstance(l, Token) for l in info.layouts.values()))
         ctx.count("pair_tensors", sum(isinstance(l, Pair) for l in info.layouts.values()))
 
@@ -92,6 +92,8 @@ class DetectPadding(GraphPass):
 def analyse(gm: fx.GraphModule) -> PaddingInfo | None:
     """Find the validity mask and propagate layouts; ``None`` when there is no padding mask."""
     candidates = [(n, d) for n in gm.graph.nodes if (d := _describe(n)) is not None]
+    # `ids == pad` marks padding (validity negated); everything else marks validity
+    is_padding = {n for n, _ in candidates if canonical(n) == "eq"}
     candidates = [(n, d) for n, d in candidates if (s := shape_of(n)) is not None and len(s) == 2
                   and example(n).dtype == torch.bool]
     if not candidates:
@@ -112,9 +114,11 @@ def analyse(gm: fx.GraphModule) -> PaddingInfo | None:
             layouts[node] = Token(None, 0, 1)
         else:
             layouts[node] = propagate(node, layouts)
-    validity = [n for n, _ in candidates if layouts.get(n) == Token(0, 1, 2) and shape_of(n) == (B, N)]
-    if not validity:
+    masks = [n for n, _ in candidates if layouts.get(n) == Token(0, 1, 2) and shape_of(n) == (B, N)]
+    validity = sorted((n for n in masks if n not in is_padding), key=lambda n: -len(n.users))
+    padding = sorted((n for n in masks if n in is_padding), key=lambda n: -len(n.users))
+    if not masks:
         return None
-    validity.sort(key=lambda n: -len(n.users))
-    description = dict(candidates)[validity[0]]
-    return PaddingInfo(B, N, validity, f"{description} at {node_site(validity[0])}", layouts)
+    first = (validity or padding)[0]
+    description = dict(candidates)[first] + (" (marks padding)" if first in is_padding else "")
+    return PaddingInfo(B, N, validity, f"{description} at {node_site(first)}", layouts, padding)

@@ -34,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--num-negatives", type=int, default=128)
+    p.add_argument("--negatives", choices=("per-position", "per-row"), default="per-position",
+                   help="uniform negatives per position (HSTU setup) or shared by a row's positions")
     p.add_argument("--temperature", type=float, default=0.05)
     p.add_argument("--patience", type=int, default=10, help="epochs without better validation NDCG@10")
     p.add_argument("--eval-every", type=int, default=1, help="validate every N epochs")
@@ -57,7 +59,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        epochs=args.epochs, steps=args.steps, max_minutes=args.max_minutes,
                        batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, max_len=args.max_len,
                        seed=args.seed, lr=args.lr, weight_decay=args.weight_decay, temperature=args.temperature,
-                       num_negatives=args.num_negatives, patience=args.patience, eval_every=args.eval_every,
+                       num_negatives=args.num_negatives, negatives=args.negatives, patience=args.patience, eval_every=args.eval_every,
                        k_core=args.k_core, threads=args.threads, synthetic=synthetic)
 
 

@@ -22,6 +22,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     temperature: float = 0.05
     num_negatives: int = 128
+    negatives: str = "per-position"  # or "per-row" (shared by a row's positions; cheaper)
     patience: int = 10  # epochs without a better validation NDCG@10 before stopping
     eval_every: int = 1
     k_core: int = 0

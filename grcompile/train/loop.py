@@ -37,7 +37,10 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         torch.set_num_threads(config.threads)
     ds, split, encoder, task = build(config)
     max_len = encoder.config.max_len
-    loader = TrainLoader(split.train, config.batch_size, max_len, ds.num_items, config.num_negatives, config.seed)
+    if config.negatives not in ("per-position", "per-row"):
+        raise ValueError(f"negatives must be 'per-position' or 'per-row', got {config.negatives!r}")
+    loader = TrainLoader(split.train, config.batch_size, max_len, ds.num_items, config.num_negatives, config.seed,
+                         per_position=config.negatives == "per-position")
     valid_loader = EvalLoader(split.valid, config.eval_batch_size, max_len)
     test_loader = EvalLoader(split.test, config.eval_batch_size, max_len)
     optimizer = torch.optim.Adam(task.parameters(), lr=config.lr, betas=(0.9, 0.98),

@@ -110,3 +110,25 @@ def test_presets(model: str) -> None:
     assert (large.num_blocks, large.num_heads, large.attention_dim, large.embedding_dim) == (8, 2, 25, 50)
     with pytest.raises(ValueError, match="preset"):
         make_config(model, "huge", num_items=10)
+
+
+def test_per_position_negatives_match_naive_gather():
+    """[B, N, R] negatives scored via the whole table equal the naive [B, N, R, D] formulation."""
+    import torch.nn.functional as F
+    from models import SampledSoftmaxRetrieval, build_encoder
+
+    torch.manual_seed(0)
+    enc = build_encoder("sasrec", "ml1m", num_items=30, max_len=8, dropout=0.0).double()
+    task = SampledSoftmaxRetrieval(enc, temperature=0.05)
+    ids = torch.randint(1, 31, (3, 8))
+    ids[1, 5:] = 0
+    ts = torch.zeros_like(ids)
+    neg = torch.randint(1, 31, (3, 8, 6))
+    loss = task(ids, ts, neg)
+    user = enc(ids, ts)[:, :-1]
+    targets, n = ids[:, 1:], neg[:, :-1]
+    pos = (user * enc.item_embeddings(targets)).sum(-1, keepdim=True)
+    negl = (user.unsqueeze(2) * enc.item_embeddings(n)).sum(-1).masked_fill(n == targets.unsqueeze(2), float("-inf"))
+    per = -F.log_softmax(torch.cat([pos, negl], -1) / 0.05, -1)[..., 0]
+    valid = (ids[:, :-1] != 0) & (targets != 0)
+    torch.testing.assert_close(loss, (per * valid).sum() / valid.sum())

@@ -1,0 +1,471 @@
+"""``grcompile::jagged_attention``: causal / bidirectional attention over jagged rows with a
+pointwise activation (SiLU, identity) or a softmax and a registered score_mod bias.
+
+    jagged_attention(q [T, H, dqk], k [T, H, dqk], v [T, H, dv], offsets [B+1] int64,
+                     positions [T] int64, q_side: list[[T]], k_side: list[[T]], tables: list,
+                     *, score_mod: str, use_qk: bool, activation: str, scale: float,
+                     out_scale: float, causal: bool, max_len: int) -> [T, H, dv]
+
+Per row ``b`` (tokens ``offsets[b]:offsets[b+1]``) and head, with ``mod`` the registered score_mod
+(``""``: none):
+
+    s(i, j)  = mod(score = scale·q_i·k_j if use_qk else 0, q_pos = positions[i], k_pos = positions[j], ...)
+    allowed  = positions[j] <= positions[i] if causal else True
+    silu / identity:  A(i, j) = act(s)·out_scale where allowed, else exactly 0
+    softmax:          A(i, ·) = softmax over allowed j of s, times out_scale (no allowed key: 0)
+    out_i    = Σ_j A(i, j) v_j
+
+which equals, at valid positions, the padded models' ``act(q kᵀ + rab)/N * causal_padding_mask``
+(HSTU, FuXi-α's three channels) and SASRec's masked softmax. ``positions`` are padded-row
+coordinates and must increase strictly within a row (row-major packing gives that).
+
+Reference implementation (CPU, and the fallback of devices without a kernel): padding-free up to
+a bounded waste. Rows are sorted by length and grouped greedily into buckets whose padded *pair*
+area wastes at most ``BUCKET_WASTE`` (12.5 %) of the bucket — or at most ``BUCKET_SLACK_PAIRS``
+pairs in absolute terms, since a tiny bucket costs more in per-op overhead than its padding.
+A bucket is padded to its longest row only, computed with batched matmuls, and split into chunks
+of at most ``CHUNK_ELEMENTS`` score elements (rows first; for one long row, blocks of queries, and
+a causal query block only reads the keys up to its end), so no ``B×N×N`` tensor ever exists.
+Padded slots repeat the row's last real token, so a score_mod only ever sees real
+(position, side) values and never indexes out of bounds; they are removed by ``torch.where``
+(never multiplied), so nothing non-finite leaks.
+
+Autograd is flash-like: the forward saves only its inputs; ``grcompile::jagged_attention_backward``
+recomputes each chunk under ``enable_grad`` and uses ``torch.autograd.grad``, returning gradients
+for q, k, v and every floating side tensor and table (integer ones get ``None``).
+
+Kernels: ``triton`` / ``ascend`` slots of the registry are empty for now; CUDA/NPU fall back to
+this reference.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from . import lookup, register_op
+from .score_mod import get_score_mod, hstu_rab_key, relative_position_bias_key, relative_time_bias_key
+
+ACTIVATIONS = ("silu", "softmax", "identity")
+BUCKET_WASTE = 0.125  # max fraction of a bucket's padded pair area that is padding
+BUCKET_SLACK_PAIRS = 8192  # ... or this many padded pairs, whichever is larger
+CHUNK_ELEMENTS = 1 << 22  # max elements of one chunk's [n, H, Lq, Lk] score tensor
+MIN_Q_BLOCK = 16  # smallest query block when a single row exceeds CHUNK_ELEMENTS
+
+_OP = "grcompile::jagged_attention"
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(f"{_OP}: {msg}")
+
+
+def _check_meta(q, k, v, offsets, positions, q_side, k_side, tables, score_mod, activation, max_len) -> None:
+    """Shape / dtype / device checks (valid on fake tensors too)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            _fail(f"{name} must be [T, H, d] (rank 3), got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            _fail(f"{name} must be a floating tensor, got dtype {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        _fail(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if q.shape[0] != k.shape[0] or q.shape[0] != v.shape[0]:
+        _fail(f"q, k, v must have the same number of tokens T, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    if q.shape[1] != k.shape[1] or q.shape[1] != v.shape[1]:
+        _fail(f"q, k, v must have the same number of heads H, got {q.shape[1]}, {k.shape[1]}, {v.shape[1]}")
+    if q.shape[2] != k.shape[2]:
+        _fail(f"q and k must have the same head width dqk, got {q.shape[2]} and {k.shape[2]}")
+    if offsets.dim() != 1 or offsets.shape[0] < 1:
+        _fail(f"offsets must be 1-D [B + 1] with B >= 0, got shape {tuple(offsets.shape)}")
+    if offsets.dtype != torch.int64:
+        _fail(f"offsets must be int64, got {offsets.dtype}")
+    if positions.dim() != 1 or positions.shape[0] != q.shape[0]:
+        _fail(f"positions must be 1-D [T] with T = {q.shape[0]}, got shape {tuple(positions.shape)}")
+    if positions.dtype != torch.int64:
+        _fail(f"positions must be int64, got {positions.dtype}")
+    for group, tensors in (("q_side", q_side), ("k_side", k_side)):
+        for i, t in enumerate(tensors):
+            if t.dim() != 1 or t.shape[0] != q.shape[0]:
+                _fail(f"{group}[{i}] must be 1-D [T] with T = {q.shape[0]}, got shape {tuple(t.shape)}")
+    for group, tensors in (("k", [k]), ("v", [v]), ("offsets", [offsets]), ("positions", [positions]),
+                           ("q_side", q_side), ("k_side", k_side), ("tables", tables)):
+        for t in tensors:
+            if t.device != q.device:
+                _fail(f"{group} is on {t.device} but q is on {q.device}")
+    if activation not in ACTIVATIONS:
+        _fail(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if max_len < 1:
+        _fail(f"max_len must be >= 1, got {max_len}")
+    if score_mod:
+        get_score_mod(score_mod)  # raises a KeyError naming the key
+
+
+def _check_values(offsets: torch.Tensor, positions: torch.Tensor, T: int, max_len: int) -> list[int]:
+    """Data checks (real tensors only); returns the offsets as a list."""
+    offs = offsets.tolist()
+    if offs[0] != 0:
+        _fail(f"offsets must start at 0, got offsets[0] = {offs[0]}")
+    if offs[-1] != T:
+        _fail(f"offsets must end at T = {T} (the number of tokens of q), got offsets[-1] = {offs[-1]}")
+    lengths = [b - a for a, b in zip(offs[:-1], offs[1:])]
+    if lengths and min(lengths) < 0:
+        row = min(range(len(lengths)), key=lengths.__getitem__)
+        _fail(f"offsets must be non-decreasing, but offsets[{row + 1}] = {offs[row + 1]} < offsets[{row}] = {offs[row]}")
+    if lengths and max(lengths) > max_len:
+        row = max(range(len(lengths)), key=lengths.__getitem__)
+        _fail(f"row {row} has length {lengths[row]} > max_len = {max_len}")
+    if T:
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= max_len:
+            _fail(f"positions must lie in [0, max_len = {max_len}), got values in [{lo}, {hi}]")
+        if T > 1:
+            starts = offsets[1:-1]
+            same_row = torch.ones(T - 1, dtype=torch.bool, device=positions.device)
+            inner = starts[(starts > 0) & (starts < T)]
+            same_row[inner - 1] = False  # token t and t + 1 straddle a row start
+            if bool(((positions[1:] <= positions[:-1]) & same_row).any()):
+                _fail("positions must increase strictly within each row (padded-row coordinates "
+                      "of a row-major packing)")
+    return offs
+
+
+# --------------------------------------------------------------------------------------------
+# bucketing
+
+
+def plan_buckets(lengths: Sequence[int], waste: Optional[float] = None,
+                 slack_pairs: Optional[int] = None) -> list[list[int]]:
+    """Group the non-empty rows into buckets (lists of row ids, longest first).
+
+    Rows sorted by decreasing length are added greedily to the current bucket while the padding
+    of the bucket's pair area ``n·M² − Σ l²`` (``M``: its longest row) stays within ``waste`` of
+    ``n·M²`` or within ``slack_pairs``. Attention cost is quadratic in the length, so the waste is
+    measured on pairs, not tokens. Defaults: the module's ``BUCKET_WASTE`` / ``BUCKET_SLACK_PAIRS``."""
+    waste = BUCKET_WASTE if waste is None else waste
+    slack_pairs = BUCKET_SLACK_PAIRS if slack_pairs is None else slack_pairs
+    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i])
+    buckets: list[list[int]] = []
+    M = count = sum_sq = 0
+    for row in order:
+        n = lengths[row]
+        if buckets:
+            area = (count + 1) * M * M
+            padded = area - (sum_sq + n * n)
+            if padded <= waste * area or padded <= slack_pairs:
+                buckets[-1].append(row)
+                count, sum_sq = count + 1, sum_sq + n * n
+                continue
+        buckets.append([row])
+        M, count, sum_sq = n, 1, n * n
+    return buckets
+
+
+def _chunks(offs: list[int], heads: int, causal: bool, device: torch.device, budget: Optional[int] = None):
+    """Yield ``(q_index [n, Lq], q_valid, k_index [n, Lk], k_valid)`` per chunk: the token of each
+    slot (a padded slot repeats its row's last real token) and whether the slot is real."""
+    budget = CHUNK_ELEMENTS if budget is None else budget
+    lengths = [b - a for a, b in zip(offs[:-1], offs[1:])]
+    for bucket in plan_buckets(lengths):
+        M = lengths[bucket[0]]
+        per_row = heads * M * M
+        rows_per_chunk = max(1, budget // max(per_row, 1))
+        for c in range(0, len(bucket), rows_per_chunk):
+            rows = bucket[c:c + rows_per_chunk]
+            L = lengths[rows[0]]  # longest of this chunk
+            starts = torch.tensor([offs[r] for r in rows], dtype=torch.int64, device=device)
+            lens = torch.tensor([lengths[r] for r in rows], dtype=torch.int64, device=device)
+            q_block = L if len(rows) > 1 or heads * L * L <= budget else max(MIN_Q_BLOCK, budget // (heads * L))
+            for q0 in range(0, L, q_block):
+                q1 = min(L, q0 + q_block)
+                k1 = q1 if causal else L  # positions increase within a row: later keys are masked
+                yield _slots(starts, lens, q0, q1, device) + _slots(starts, lens, 0, k1, device)
+
+
+def _slots(starts, lens, lo: int, hi: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    ar = torch.arange(lo, hi, dtype=torch.int64, device=device).unsqueeze(0)
+    valid = ar < lens.unsqueeze(1)
+    index = starts.unsqueeze(1) + torch.minimum(ar, lens.unsqueeze(1) - 1)
+    return index, valid
+
+
+# --------------------------------------------------------------------------------------------
+# one chunk, differentiable (used by the forward and, under enable_grad, by the backward)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _chunk_attention(qb, kb, vb, q_pos, k_pos, k_valid, q_sides, k_sides, tables, *, mod, use_qk,
+                     activation, scale, out_scale, causal):
+    """qb [n, H, Lq, dqk], kb [n, H, Lk, dqk], vb [n, H, Lk, dv]; q_pos/q_sides [n, Lq];
+    k_pos/k_sides/k_valid [n, Lk] -> [n, H, Lq, dv] (padded query slots hold garbage)."""
+    dtype = vb.dtype
+    if use_qk:
+        s = torch.matmul(qb, kb.transpose(-2, -1))
+        if scale != 1.0:
+            s = s * scale
+    else:
+        s = torch.zeros((), dtype=dtype, device=vb.device)
+    qp, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]
+    if mod is not None:
+        s = mod(s, qp, kp, tuple(t[:, None, :, None] for t in q_sides),
+                tuple(t[:, None, None, :] for t in k_sides), tuple(tables))
+        s = s.to(dtype)
+    allowed = k_valid[:, None, None, :]
+    if causal:
+        allowed = allowed & (kp <= qp)
+    if activation == "softmax":
+        s = torch.where(allowed, s, float("-inf"))
+        live = (s > float("-inf")).any(dim=-1, keepdim=True)  # a query with no allowed key -> 0
+        a = torch.softmax(torch.where(live, s, 0.0), dim=-1)
+        a = torch.where(live & allowed, a, 0.0)
+    else:
+        a = torch.nn.functional.silu(s) if activation == "silu" else s
+        a = torch.where(allowed, a, 0.0)
+    if out_scale != 1.0:
+        a = a * out_scale
+    target = (vb.shape[0], vb.shape[1], q_pos.shape[1], k_pos.shape[1])
+    if tuple(a.shape) != target:
+        a = a.expand(target)
+    return torch.matmul(a, vb)
+
+
+def _gather_heads(x: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [T, H, d], index [n, L] -> [n, H, L, d] in ``dtype``."""
+    return x[index].to(dtype).transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# reference forward / backward
+
+
+def _attention_reference(q, k, v, offsets, positions, q_side, k_side, tables, *, score_mod, use_qk,
+                         activation, scale, out_scale, causal, max_len):
+    _check_meta(q, k, v, offsets, positions, q_side, k_side, tables, score_mod, activation, max_len)
+    T, H, dv = q.shape[0], q.shape[1], v.shape[2]
+    offs = _check_values(offsets, positions, T, max_len)
+    out = torch.zeros(T, H, dv, dtype=q.dtype, device=q.device)
+    mod = get_score_mod(score_mod) if score_mod else None
+    cdtype = _compute_dtype(q.dtype)
+    with torch.no_grad():
+        for qi, qv, ki, kv in _chunks(offs, H, causal, q.device):
+            o = _chunk_attention(
+                _gather_heads(q, qi, cdtype), _gather_heads(k, ki, cdtype), _gather_heads(v, ki, cdtype),
+                positions[qi], positions[ki], kv, [t[qi] for t in q_side], [t[ki] for t in k_side], tables,
+                mod=mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal)
+            out.index_copy_(0, qi[qv], o.transpose(1, 2)[qv].to(q.dtype))
+    return out
+
+
+@contextlib.contextmanager
+def _autograd_reenabled():
+    """Re-enable autograd inside a custom op's implementation.
+
+    A custom op's kernel runs below the Autograd dispatch key (the autograd keys sit in the
+    thread-local exclude set), so ``torch.enable_grad()`` alone records nothing. The backward
+    recomputation needs a local tape: drop the autograd keys from the exclude set for its scope."""
+    C, DK = torch._C, torch._C.DispatchKey
+    include, exclude = C._dispatch_tls_local_include_set(), C._dispatch_tls_local_exclude_set()
+    for key in (DK.AutogradFunctionality, DK.AutogradOther, DK.AutogradNestedTensor):
+        exclude = exclude.remove(key)
+    with C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+        yield
+
+
+def _grad_placeholder(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.float32, device=t.device)
+
+
+def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, *,
+                                  score_mod, use_qk, activation, scale, out_scale, causal, max_len):
+    H = q.shape[1]
+    offs = offsets.tolist()
+    mod = get_score_mod(score_mod) if score_mod else None
+    cdtype = _compute_dtype(q.dtype)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    d_qs = [torch.zeros_like(t) if t.is_floating_point() else _grad_placeholder(t) for t in q_side]
+    d_ks = [torch.zeros_like(t) if t.is_floating_point() else _grad_placeholder(t) for t in k_side]
+    table_leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tables]
+    d_tables = [torch.zeros_like(t) if t.is_floating_point() else _grad_placeholder(t) for t in tables]
+    for qi, qv, ki, kv in _chunks(offs, H, causal, q.device):
+        with _autograd_reenabled():
+            qb = _gather_heads(q, qi, cdtype).detach().requires_grad_(use_qk)
+            kb = _gather_heads(k, ki, cdtype).detach().requires_grad_(use_qk)
+            vb = _gather_heads(v, ki, cdtype).detach().requires_grad_()
+            qs = [t[qi].detach().requires_grad_(t.is_floating_point()) for t in q_side]
+            ks = [t[ki].detach().requires_grad_(t.is_floating_point()) for t in k_side]
+            o = _chunk_attention(qb, kb, vb, positions[qi], positions[ki], kv, qs, ks, table_leaves,
+                                 mod=mod, use_qk=use_qk, activation=activation, scale=scale,
+                                 out_scale=out_scale, causal=causal)
+            go = torch.where(qv[:, :, None, None], grad_out[qi].to(cdtype), 0.0).transpose(1, 2)
+            leaves = [x for x in [qb, kb, vb, *qs, *ks, *table_leaves] if x.requires_grad]
+            grads = iter(torch.autograd.grad(o, leaves, go, allow_unused=True))
+        qvalid, kvalid = qi[qv], ki[kv]
+
+        def put(acc, index, valid_mask, heads: bool):
+            g = next(grads)
+            if g is None:
+                return
+            g = g.transpose(1, 2) if heads else g
+            acc.index_add_(0, index, g[valid_mask].to(acc.dtype))
+
+        if use_qk:
+            put(dq, qvalid, qv, True)
+            put(dk, kvalid, kv, True)
+        put(dv, kvalid, kv, True)
+        for acc, t in zip(d_qs, q_side):
+            if t.is_floating_point():
+                put(acc, qvalid, qv, False)
+        for acc, t in zip(d_ks, k_side):
+            if t.is_floating_point():
+                put(acc, kvalid, kv, False)
+        for acc, t in zip(d_tables, tables):
+            if t.is_floating_point():
+                g = next(grads)
+                if g is not None:
+                    acc += g.to(acc.dtype)
+    return dq, dk, dv, d_qs, d_ks, d_tables
+
+
+register_op("jagged_attention", reference=_attention_reference)
+register_op("jagged_attention_backward", reference=_attention_backward_reference)
+
+
+# --------------------------------------------------------------------------------------------
+# the custom ops
+
+
+@torch.library.custom_op("grcompile::jagged_attention", mutates_args=())
+def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                     positions: torch.Tensor, q_side: list[torch.Tensor], k_side: list[torch.Tensor],
+                     tables: list[torch.Tensor], *, score_mod: str, use_qk: bool, activation: str,
+                     scale: float, out_scale: float, causal: bool, max_len: int) -> torch.Tensor:
+    """See the module docstring."""
+    impl = lookup("jagged_attention", q.device.type)
+    return impl(q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), score_mod=score_mod,
+                use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
+                max_len=max_len)
+
+
+@jagged_attention.register_fake
+def _(q, k, v, offsets, positions, q_side, k_side, tables, *, score_mod, use_qk, activation, scale, out_scale,
+      causal, max_len):
+    _check_meta(q, k, v, offsets, positions, q_side, k_side, tables, score_mod, activation, max_len)
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+
+
+@torch.library.custom_op("grcompile::jagged_attention_backward", mutates_args=())
+def jagged_attention_backward(
+        grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+        positions: torch.Tensor, q_side: list[torch.Tensor], k_side: list[torch.Tensor],
+        tables: list[torch.Tensor], *, score_mod: str, use_qk: bool, activation: str, scale: float,
+        out_scale: float, causal: bool, max_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Gradients of ``jagged_attention`` by recomputation; integer side tensors / tables get an
+    empty float placeholder (the autograd wrapper turns it into ``None``)."""
+    impl = lookup("jagged_attention_backward", q.device.type)
+    return impl(grad_out, q, k, v, offsets, positions, list(q_side), list(k_side), list(tables),
+                score_mod=score_mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale,
+                causal=causal, max_len=max_len)
+
+
+@jagged_attention_backward.register_fake
+def _(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, *, score_mod, use_qk, activation, scale,
+      out_scale, causal, max_len):
+    def like(ts):
+        return [torch.empty_like(t) if t.is_floating_point() else _grad_placeholder(t) for t in ts]
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), like(q_side), like(k_side), like(tables)
+
+
+_KWARGS = ("score_mod", "use_qk", "activation", "scale", "out_scale", "causal", "max_len")
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    q, k, v, offsets, positions, q_side, k_side, tables = inputs
+    ctx.n_q_side, ctx.n_k_side = len(q_side), len(k_side)
+    ctx.save_for_backward(q, k, v, offsets, positions, *q_side, *k_side, *tables)
+    ctx.kwargs = {name: keyword_only_inputs[name] for name in _KWARGS}
+    ctx.floating = [t.is_floating_point() for t in (*q_side, *k_side, *tables)]
+
+
+def _backward(ctx, grad_out):
+    q, k, v, offsets, positions, *rest = ctx.saved_tensors
+    q_side, k_side = rest[:ctx.n_q_side], rest[ctx.n_q_side:ctx.n_q_side + ctx.n_k_side]
+    tables = rest[ctx.n_q_side + ctx.n_k_side:]
+    dq, dk, dv, d_qs, d_ks, d_tables = torch.ops.grcompile.jagged_attention_backward(
+        grad_out.contiguous(), q, k, v, offsets, positions, list(q_side), list(k_side), list(tables),
+        **ctx.kwargs)
+    flags = iter(ctx.floating)
+    d_qs = [g if next(flags) else None for g in d_qs]
+    d_ks = [g if next(flags) else None for g in d_ks]
+    d_tables = [g if next(flags) else None for g in d_tables]
+    return dq, dk, dv, None, None, d_qs, d_ks, d_tables
+
+
+jagged_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# named wrappers for the three models
+
+
+def hstu_attention(q, k, v, offsets, positions, *, N: int, query_timestamps=None, timestamps=None,
+                   position_table=None, time_table=None, table_max_len: Optional[int] = None,
+                   num_buckets: int = 128, causal: bool = True) -> torch.Tensor:
+    """HSTU: ``silu(q·kᵀ + rab) / N`` under the causal mask, ``rab`` = relative position table
+    (``[2·table_max_len − 1]``) + log time-bucket table (``[num_buckets + 1]``, query side
+    ``query_timestamps`` = the next valid timestamp, key side ``timestamps``), either optional."""
+    table_max_len = N if table_max_len is None else table_max_len
+    tables, q_side, k_side = [], [], []
+    if time_table is not None:
+        q_side, k_side = [query_timestamps], [timestamps]
+    if position_table is not None and time_table is not None:
+        key, tables = hstu_rab_key(table_max_len, num_buckets), [position_table, time_table]
+    elif position_table is not None:
+        key, tables = relative_position_bias_key(table_max_len), [position_table]
+    elif time_table is not None:
+        key, tables = relative_time_bias_key(num_buckets), [time_table]
+    else:
+        key = ""
+    return torch.ops.grcompile.jagged_attention(
+        q, k, v, offsets, positions, q_side, k_side, tables, score_mod=key, use_qk=True, activation="silu",
+        scale=1.0, out_scale=1.0 / N, causal=causal, max_len=N)
+
+
+def fuxi_attention(q, k, v, offsets, positions, *, N: int, query_timestamps, timestamps, position_table,
+                   time_table, table_max_len: Optional[int] = None, num_buckets: int = 128,
+                   causal: bool = True) -> torch.Tensor:
+    """FuXi-α's three channels ``[positional, temporal, semantic]`` concatenated on the last dim:
+    ``pos_table[j − i] @ v``, ``time_table[bucket] @ v``, ``silu(q·kᵀ)/N @ v``, all causal."""
+    table_max_len = N if table_max_len is None else table_max_len
+    common = dict(causal=causal, max_len=N)
+    positional = torch.ops.grcompile.jagged_attention(
+        q, k, v, offsets, positions, [], [], [position_table], score_mod=relative_position_bias_key(table_max_len),
+        use_qk=False, activation="identity", scale=1.0, out_scale=1.0, **common)
+    temporal = torch.ops.grcompile.jagged_attention(
+        q, k, v, offsets, positions, [query_timestamps], [timestamps], [time_table],
+        score_mod=relative_time_bias_key(num_buckets), use_qk=False, activation="identity", scale=1.0,
+        out_scale=1.0, **common)
+    semantic = torch.ops.grcompile.jagged_attention(
+        q, k, v, offsets, positions, [], [], [], score_mod="", use_qk=True, activation="silu", scale=1.0,
+        out_scale=1.0 / N, **common)
+    return torch.cat([positional, temporal, semantic], dim=-1)
+
+
+def jagged_softmax_attention(q, k, v, offsets, positions, *, N: int, scale: Optional[float] = None,
+                             causal: bool = True) -> torch.Tensor:
+    """SASRec: ``softmax(q·kᵀ · scale)`` over the allowed keys, ``scale`` = 1/sqrt(dqk) by default."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return torch.ops.grcompile.jagged_attention(
+        q, k, v, offsets, positions, [], [], [], score_mod="", use_qk=True, activation="softmax", scale=scale,
+        out_scale=1.0, causal=causal, max_len=N)
+
+
+__all__ = ["jagged_attention", "jagged_attention_backward", "hstu_attention", "fuxi_attention",
+           "jagged_softmax_attention", "plan_buckets", "ACTIVATIONS"]

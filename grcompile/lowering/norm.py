@@ -1,0 +1,119 @@
+"""``grcompile::gated_norm``: ``u ⊙ norm(x)`` over the last dim, ``norm`` = LayerNorm or RMSNorm
+without affine parameters (HSTU's ``u * layer_norm(out)``, FuXi-α's ``rms_norm(out) * u``);
+``u=None`` gives the plain norm (the blocks' input norms).
+
+    gated_norm(x [..., D], u [..., D] | None, *, kind: "layer" | "rms", eps: float) -> [..., D]
+
+Reference forward: ``F.layer_norm`` / ``F.rms_norm`` (so it matches the models exactly), computed
+in float32 for half inputs. Backward: analytic, in plain torch ops (traceable by AOTAutograd),
+from the saved inputs only:
+
+    n = (x − μ)·r (layer) or x·r (rms),  r = 1/sqrt(var + eps) or 1/sqrt(mean(x²) + eps)
+    du = g ⊙ n,   g_n = g ⊙ u
+    dx = r·(g_n − mean(g_n) − n·mean(g_n ⊙ n))   (layer; rms drops the mean(g_n) term)
+
+The Triton kernel (one pass per row, fused with the gate) comes with the CUDA milestone; the
+registry's ``triton`` slot is empty until then and CUDA falls back to this reference.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import lookup, register_op
+
+KINDS = ("layer", "rms")
+_OP = "grcompile::gated_norm"
+
+
+def _check(x: torch.Tensor, u: Optional[torch.Tensor], kind: str, eps: float) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"{_OP}: kind must be one of {KINDS}, got {kind!r}")
+    if x.dim() < 1:
+        raise ValueError(f"{_OP}: x must have at least one dim [..., D], got a scalar")
+    if not x.is_floating_point():
+        raise ValueError(f"{_OP}: x must be a floating tensor, got dtype {x.dtype}")
+    if u is not None:
+        if u.shape != x.shape:
+            raise ValueError(f"{_OP}: u must have the shape of x {tuple(x.shape)}, got {tuple(u.shape)}")
+        if u.dtype != x.dtype:
+            raise ValueError(f"{_OP}: u must have the dtype of x ({x.dtype}), got {u.dtype}")
+        if u.device != x.device:
+            raise ValueError(f"{_OP}: u is on {u.device} but x is on {x.device}")
+    if not eps >= 0.0:
+        raise ValueError(f"{_OP}: eps must be >= 0, got {eps}")
+
+
+def _cdtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _gated_norm_reference(x: torch.Tensor, u: Optional[torch.Tensor], *, kind: str, eps: float) -> torch.Tensor:
+    _check(x, u, kind, eps)
+    xc = x.to(_cdtype(x.dtype))
+    D = x.shape[-1]
+    n = F.layer_norm(xc, (D,), eps=eps) if kind == "layer" else F.rms_norm(xc, (D,), eps=eps)
+    out = n if u is None else u.to(n.dtype) * n
+    return out.to(x.dtype)
+
+
+def gated_norm_backward(grad: torch.Tensor, x: torch.Tensor, u: Optional[torch.Tensor], kind: str,
+                        eps: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Analytic ``(dx, du)`` of ``gated_norm`` (plain torch; usable under tracing)."""
+    cd = _cdtype(x.dtype)
+    xc, g = x.to(cd), grad.to(cd)
+    if kind == "layer":
+        xm = xc - xc.mean(dim=-1, keepdim=True)
+        r = torch.rsqrt(xm.pow(2).mean(dim=-1, keepdim=True) + eps)
+    else:
+        xm = xc
+        r = torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps)
+    n = xm * r
+    gn = g if u is None else g * u.to(cd)
+    inner = gn - n * (gn * n).mean(dim=-1, keepdim=True)
+    if kind == "layer":
+        inner = inner - gn.mean(dim=-1, keepdim=True)
+    dx = (r * inner).to(x.dtype)
+    du = None if u is None else (g * n).to(u.dtype)
+    return dx, du
+
+
+register_op("gated_norm", reference=_gated_norm_reference)
+
+
+@torch.library.custom_op("grcompile::gated_norm", mutates_args=())
+def gated_norm(x: torch.Tensor, u: Optional[torch.Tensor], *, kind: str, eps: float) -> torch.Tensor:
+    """``u ⊙ norm(x)`` (``norm(x)`` if ``u`` is None); see the module docstring."""
+    return lookup("gated_norm", x.device.type)(x, u, kind=kind, eps=eps)
+
+
+@gated_norm.register_fake
+def _(x, u, *, kind, eps):
+    _check(x, u, kind, eps)
+    return torch.empty_like(x)
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    x, u = inputs
+    ctx.has_u = u is not None
+    if u is not None:
+        ctx.save_for_backward(x, u)
+    else:
+        ctx.save_for_backward(x)
+    ctx.kind, ctx.eps = keyword_only_inputs["kind"], keyword_only_inputs["eps"]
+
+
+def _backward(ctx, grad):
+    if ctx.has_u:
+        x, u = ctx.saved_tensors
+    else:
+        (x,), u = ctx.saved_tensors, None
+    dx, du = gated_norm_backward(grad, x, u, ctx.kind, ctx.eps)
+    return dx, du
+
+
+gated_norm.register_autograd(_backward, setup_context=_setup_context)
+
+__all__ = ["gated_norm", "gated_norm_backward", "KINDS"]

@@ -1,0 +1,152 @@
+"""Pass ``fuse_attention``: dense masked attention → one padding-free fused op.
+
+Matches: ``matmul(A, v)`` (or its spellings) where ``A`` is a Pair-layout tensor contracted over
+its key axis with a Token-layout ``v`` — the end of an attention. ``attention_capture`` turns the
+region under ``A`` into a score_mod (the user's bias / activation / scaling / mask math, pointwise)
+and proves that padded keys contribute nothing and whether the mask is causal.
+Emits: ``torch.ops.grcompile.score_mod_attention(q, k, v, valid, q_sides, k_sides, tables,
+score_mod=key, normalize=..., causal=...)`` on ``[B, N, H, d]`` views of the user's q, k, v, with
+bias tables and per-token side values (timestamps, ...) as inputs: no B×N×N tensor remains when
+the region has no other users. Falls back (report: site + reason) when capture or proof fails.
+Invariant: values at every valid query position are unchanged; padded query positions give 0.
+Requires ``detect_padding`` to have run.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..capture.pass_manager import GraphPass, PassContext
+from ..lowering.score_mod import register_score_mod
+from ..lowering.score_mod_attention import score_mod_attention  # noqa: F401 (registers the op)
+from .attention_capture import Unsupported, capture, prove
+from .detect_padding import PADDING
+from .layout import Pair, Token
+from .op_semantics import canonical, shape_of
+
+
+def _to_bnhd(g: fx.Graph, x: fx.Node, layout: Token, seq: int, feature: int) -> fx.Node:
+    """Emit ``x`` permuted to ``[B, N, H, d]`` (a head axis of 1 is added when there is none)."""
+    shape = shape_of(x)
+    nd = len(shape)
+    if layout.batch is None:
+        raise Unsupported(f"{x.name} is not batched")
+    heads = [a for a in range(nd) if a not in (layout.batch, seq, feature)]
+    if len(heads) > 1:
+        if sum(shape[a] != 1 for a in heads) > 1:
+            raise Unsupported(f"{x.name} {shape} has more than one head axis")
+        heads = [a for a in heads if shape[a] != 1][:1] or heads[:1]
+        # the other size-1 axes are squeezed after the permute
+    order = [layout.batch, seq, *heads, feature]
+    rest = [a for a in range(nd) if a not in order]
+    y = g.call_method("permute", (x, *order, *rest))
+    if rest:
+        y = g.call_method("reshape", (y, *[shape[a] for a in order]))
+    if not heads:
+        y = g.call_method("unsqueeze", (y, 2))
+    return y
+
+
+def _side_dense(g: fx.Graph, leaf: fx.Node, layout: Token, B: int, N: int) -> fx.Node:
+    """A per-token side value as a dense ``[B, N]`` tensor (its other axes are size 1)."""
+    shape = shape_of(leaf)
+    if any(s != 1 for a, s in enumerate(shape) if a not in (layout.batch, layout.seq)):
+        raise Unsupported(f"{leaf.name} {shape} carries features; only per-token scalars enter the scores")
+    axes = [a for a in (layout.batch, layout.seq) if a is not None]
+    rest = [a for a in range(len(shape)) if a not in axes]
+    y = g.call_method("permute", (leaf, *axes, *rest)) if axes != list(range(len(axes))) or rest else leaf
+    sizes = [shape[a] for a in axes]
+    if layout.batch is None:
+        sizes = [1] + sizes
+    if layout.seq is None:
+        sizes = sizes + [1]
+    y = g.call_method("reshape", (y, *sizes))
+    return g.call_method("expand", (y, B, N))
+
+
+class FuseAttention(GraphPass):
+    name = "fuse_attention"
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        info = gm.meta.get(PADDING)
+        if info is None:
+            return
+        layouts, validity, N, B = info.layouts, set(info.validity), info.seq_len, info.batch
+        for node in list(gm.graph.nodes):
+            if canonical(node) != "matmul" or not isinstance(layouts.get(node), Token) or \
+                    not isinstance(layouts.get(node.args[0]), Pair):
+                continue
+            try:
+                cap = capture(node, layouts, validity, N)
+                causal = prove(cap, validity, N, set(info.padding))
+                self._emit(gm, node, cap, causal, info)
+            except Unsupported as e:
+                ctx.fallback(e.node or node, str(e))
+                continue
+            ctx.rewrite("score_mod_attention", node, normalize=cap.normalize, causal=causal,
+                        bias_tables=len(cap.tables), side_inputs=len(cap.sides))
+        gm.graph.eliminate_dead_code()
+
+    @staticmethod
+    def _emit(gm: fx.GraphModule, node: fx.Node, cap, causal: bool, info) -> None:
+        layouts, B, N = info.layouts, info.batch, info.seq_len
+        g = gm.graph
+        v = node.args[1]
+        lv, lout = layouts[v], layouts[node]
+        nd_v = len(shape_of(v))
+        key = register_score_mod(cap.score_mod, name="captured", kind="score")
+        with g.inserting_before(node):
+            if cap.score is not None:
+                lq, lk = layouts[cap.q], layouts[cap.kT]
+                q = _to_bnhd(g, cap.q, lq, lq.seq, len(shape_of(cap.q)) - 1)
+                k = _to_bnhd(g, cap.kT, lk, lk.seq, len(shape_of(cap.kT)) - 2)
+            else:
+                q = k = None
+            vv = _to_bnhd(g, v, lv, lv.seq, nd_v - 1)
+            valid = info.validity[0] if info.validity else g.call_function(torch.logical_not, (info.padding[0],))
+            q_sides = [_side_dense(g, s.node, layouts[s.node], B, N) for s in cap.sides if s.role == "q"]
+            k_sides = [_side_dense(g, s.node, layouts[s.node], B, N) for s in cap.sides if s.role == "k"]
+            # the score_mod takes q sides then k sides: reorder its placeholders to match
+            _order_side_placeholders(cap)
+            out = g.call_function(torch.ops.grcompile.score_mod_attention.default,
+                                  (q, k, vv, valid, q_sides, k_sides, list(cap.tables)),
+                                  {"score_mod": key, "normalize": cap.normalize, "causal": causal})
+            out = _from_bnhd(g, out, node, lout)
+        node.replace_all_uses_with(out)
+        g.erase_node(node)
+
+
+def _order_side_placeholders(cap) -> None:
+    """Placeholders must read (score, q_pos, k_pos, *q_sides, *k_sides, *tables)."""
+    phs = [n for n in cap.score_mod.graph.nodes if n.op == "placeholder"]
+    fixed, sides, tables = phs[:3], phs[3:3 + len(cap.sides)], phs[3 + len(cap.sides):]
+    q_first = [p for p, s in zip(sides, cap.sides) if s.role == "q"] + \
+              [p for p, s in zip(sides, cap.sides) if s.role == "k"]
+    cap.sides = [s for s in cap.sides if s.role == "q"] + [s for s in cap.sides if s.role == "k"]
+    anchor = tables[0] if tables else next(n for n in cap.score_mod.graph.nodes if n.op != "placeholder")
+    for p in q_first:
+        anchor.prepend(p)
+    cap.score_mod.recompile()
+
+
+def _from_bnhd(g: fx.Graph, out: fx.Node, node: fx.Node, layout: Token) -> fx.Node:
+    """``[B, N, H, dv]`` back to the contraction's own layout."""
+    shape = shape_of(node)
+    nd = len(shape)
+    heads = [a for a in range(nd) if a not in (layout.batch, layout.seq, nd - 1)]
+    big = [a for a in heads if shape[a] != 1]
+    head = big[0] if big else None
+    # out axes: 0 = B, 1 = N, 2 = H, 3 = dv. Build the user's order, then restore size-1 axes.
+    order_roles = {layout.batch: 0, layout.seq: 1, nd - 1: 3}
+    if head is not None:
+        order_roles[head] = 2
+    kept = sorted(order_roles)
+    if head is None:
+        out = g.call_method("squeeze", (out, 2))
+        perm_src = {0: 0, 1: 1, 3: 2}
+        y = g.call_method("permute", (out, *[perm_src[order_roles[a]] for a in kept]))
+    else:
+        y = g.call_method("permute", (out, *[order_roles[a] for a in kept]))
+    return g.call_method("reshape", (y, *shape))

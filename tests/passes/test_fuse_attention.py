@@ -1,0 +1,164 @@
+"""fuse_attention on the shipped models and variants: equal values and gradients at every valid
+position (float64), including empty, length-1 and full rows; unsupported regions fall back with a
+reason and stay exact."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import grcompile
+from grcompile.passes.detect_padding import DetectPadding
+from grcompile.passes.fuse_attention import FuseAttention
+from models import SampledSoftmaxRetrieval, build_encoder
+
+PIPELINE = [DetectPadding(), FuseAttention()]
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def random_batch(lengths, N, num_items=50, left=False, pad=0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, num_items, (len(lengths), N), generator=g)
+    ids[ids == pad] = pad + 1
+    for b, length in enumerate(lengths):
+        if left:
+            ids[b, : N - length] = pad
+        else:
+            ids[b, length:] = pad
+    ts = torch.cumsum(torch.randint(0, 10**5, (len(lengths), N), generator=g), dim=1)
+    return ids, ts
+
+
+def assert_same(module, inputs, valid, lowering="eager"):
+    """Optimized vs eager: outputs at valid positions and every parameter gradient."""
+    optimized = grcompile.optimize(module, passes=PIPELINE, lowering=lowering)
+    out = optimized(*inputs)
+    mask = valid[..., None].to(out.dtype)
+    (out * mask).square().sum().backward()
+    fused = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    module.zero_grad()
+    ref = module(*inputs)
+    torch.testing.assert_close(out * mask, ref * mask)
+    (ref * mask).square().sum().backward()
+    for n, p in module.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(fused[n], p.grad, msg=n)
+    return grcompile.report(optimized)
+
+
+@pytest.mark.parametrize("model", ["hstu", "fuxi", "sasrec"])
+def test_models_fused_and_exact(model):
+    torch.manual_seed(0)
+    enc = build_encoder(model, "ml1m", num_items=50, max_len=16, num_blocks=2, dropout=0.0).double()
+    ids, ts = random_batch([0, 1, 16, 9], 16)
+    report = assert_same(enc, (ids, ts), ids != 0)
+    per_block = {"hstu": 1, "fuxi": 3, "sasrec": 1}[model]
+    assert report.counters["fuse_attention.score_mod_attention"] == 2 * per_block
+    assert report.fallbacks == []
+    assert all(r["causal"] for r in report.rewrites)
+
+
+@settings(max_examples=8, deadline=None)
+@given(lengths=st.lists(st.integers(0, 12), min_size=1, max_size=4), left=st.booleans(),
+       model=st.sampled_from(["hstu", "fuxi", "sasrec"]))
+def test_random_length_mixes(lengths, left, model):
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    enc = build_encoder(model, "ml1m", num_items=50, max_len=12, num_blocks=1, dropout=0.0).double()
+    ids, ts = random_batch(lengths, 12, left=left)
+    assert_same(enc, (ids, ts), ids != 0)
+
+
+def test_training_loss_with_inductor_lowering():
+    torch.manual_seed(0)
+    enc = build_encoder("hstu", "ml1m", num_items=50, max_len=16, num_blocks=1, dropout=0.0)
+    task = SampledSoftmaxRetrieval(enc)
+    ids, ts = random_batch([3, 16, 1, 8], 16)
+    neg = torch.randint(1, 50, (4, 8))
+    optimized = grcompile.optimize(task, passes=PIPELINE)
+    loss = optimized(ids, ts, neg)
+    loss.backward()
+    fused = {n: p.grad.clone() for n, p in task.named_parameters()}
+    task.zero_grad()
+    ref = task(ids, ts, neg)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    for n, p in task.named_parameters():
+        torch.testing.assert_close(fused[n], p.grad, msg=n, rtol=1e-4, atol=1e-5)
+    assert grcompile.report(optimized).counters["fuse_attention.score_mod_attention"] == 1
+
+
+class UserAttention(nn.Module):
+    """Softmax attention written differently: pad id 7, additive -1e4 mask from `ids == 7`,
+    sqrt scaling, a learned per-position key bias gathered with table[index], no causality."""
+
+    def __init__(self, D=8, N=10, attn_dropout=0.0, pad=7):
+        super().__init__()
+        self.pad, self.D = pad, D
+        self.emb = nn.Embedding(40, D)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.key_bias = nn.Parameter(torch.randn(N))
+        self.attn_dropout = attn_dropout
+
+    def forward(self, ids):
+        N = ids.shape[1]
+        padding = ids == self.pad
+        x = self.emb(ids)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(1, 2) / math.sqrt(self.D)
+        scores = scores + self.key_bias[torch.arange(N)][None, None, :]
+        scores = scores + padding[:, None, :].float() * -10000.0
+        attn = F.dropout(torch.softmax(scores, dim=-1), self.attn_dropout, self.training)
+        return attn @ v
+
+
+def test_user_variant_additive_mask_bidirectional():
+    torch.manual_seed(0)
+    m = UserAttention().double()
+    ids, _ = random_batch([10, 1, 4], 10, num_items=40, pad=7)
+    report = assert_same(m, (ids,), ids != 7)
+    assert len(report.rewrites) == 1 and report.rewrites[0]["causal"] is False
+
+
+def test_attention_dropout_falls_back_with_reason():
+    torch.manual_seed(0)
+    m = UserAttention(attn_dropout=0.3).double()
+    ids, _ = random_batch([10, 1, 4], 10, num_items=40, pad=7)
+    optimized = grcompile.optimize(m, passes=PIPELINE, lowering="eager")
+    optimized(ids)
+    report = grcompile.report(optimized)
+    assert report.rewrites == []
+    assert any("dropout on the attention weights" in f["reason"] for f in report.fallbacks)
+    assert report.fallbacks[0]["site"].startswith("test_fuse_attention.py:")
+
+
+class LeakyMask(nn.Module):
+    """Masks only the queries, not the keys: padded keys leak into valid outputs, so fusing
+    would change the result. Must fall back."""
+
+    def __init__(self, D=8):
+        super().__init__()
+        self.emb = nn.Embedding(40, D)
+
+    def forward(self, ids):
+        valid = ids != 0
+        x = self.emb(ids)
+        scores = F.silu(x @ x.transpose(1, 2)) * valid[:, :, None]
+        return scores @ x
+
+
+def test_unprovable_mask_falls_back_and_stays_exact():
+    torch.manual_seed(0)
+    m = LeakyMask().double()
+    ids, _ = random_batch([5, 2], 8, num_items=40)
+    report = assert_same(m, (ids,), ids != 0)
+    assert report.rewrites == []
+    assert any("padded keys" in f["reason"] for f in report.fallbacks)
