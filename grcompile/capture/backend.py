@@ -82,7 +82,8 @@ class GrcompileBackend:
             else:
                 what = [f"{len(r.rewrites)} rewrite(s); nodes {r.nodes_before} -> {r.nodes_after}",
                         "counters: " + (", ".join(f"{c}={v}" for c, v in sorted(r.counters.items())) or "none")]
-                what += [f"  {x['op']} at {x['site']}" for x in r.rewrites]
+                what += [f"  {x['op']} at {x['site']}" + "".join(
+                    f" {k}={v}" for k, v in x.items() if k not in ("pass", "op", "site", "graph")) for x in r.rewrites]
             self._emit(k, r.index, r.name, g, [f"after pass {r.index}/{n_passes} '{r.name}'", *what])
 
         run_pipeline(gm, state.passes, ctx, on_pass=on_pass)

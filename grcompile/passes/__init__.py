@@ -1,16 +1,21 @@
 """The pass pipeline, in order.
 
-``DEFAULT_PIPELINE`` is empty for now: grcompile captures, dumps and lowers the graph unchanged.
-The passes of the next issues register here, one file per pass, in the order they must run
-(padding detection -> jagged rewrite -> fused attention + relative bias -> norm fusion -> ...),
-each a ``grcompile.capture.GraphPass`` whose docstring says what it matches, what it emits and
-which invariant it keeps.
+``DEFAULT_PIPELINE`` is still empty: until the jagged rewrite lands, grcompile lowers the captured
+graph unchanged (and says so). Passes that exist today, one file each:
+
+* ``detect_padding`` — validity mask and Token / Pair layouts (analysis, rewrites nothing);
+* ``fuse_attention`` — dense masked attention → padding-free ``score_mod_attention`` with the
+  user's bias math captured as a score_mod and the mask proved.
+
+``attention_pipeline()`` runs them (opt in: ``grcompile.optimize(m, passes=attention_pipeline())``);
+they join the default once the jagged rewrite makes the whole block padding-free and the benchmark
+shows the win (see docs/DESIGN.md, "Compiler core").
 """
 from __future__ import annotations
 
 from ..capture.pass_manager import GraphPass
 
-__all__ = ["DEFAULT_PIPELINE", "default_pipeline"]
+__all__ = ["DEFAULT_PIPELINE", "attention_pipeline", "default_pipeline"]
 
 DEFAULT_PIPELINE: list[GraphPass] = []
 
@@ -18,3 +23,11 @@ DEFAULT_PIPELINE: list[GraphPass] = []
 def default_pipeline() -> list[GraphPass]:
     """A fresh list (the pass objects are shared: passes keep no per-graph state)."""
     return list(DEFAULT_PIPELINE)
+
+
+def attention_pipeline() -> list[GraphPass]:
+    """Padding detection + fused padding-free attention (exact; opt in)."""
+    from .detect_padding import DetectPadding
+    from .fuse_attention import FuseAttention
+
+    return [DetectPadding(), FuseAttention()]

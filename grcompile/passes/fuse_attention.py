@@ -81,16 +81,16 @@ class FuseAttention(GraphPass):
             try:
                 cap = capture(node, layouts, validity, N)
                 causal = prove(cap, validity, N, set(info.padding))
-                self._emit(gm, node, cap, causal, info)
+                key = self._emit(gm, node, cap, causal, info)
             except Unsupported as e:
                 ctx.fallback(e.node or node, str(e))
                 continue
             ctx.rewrite("score_mod_attention", node, normalize=cap.normalize, causal=causal,
-                        bias_tables=len(cap.tables), side_inputs=len(cap.sides))
+                        bias_tables=len(cap.tables), side_inputs=len(cap.sides), score_mod=key)
         gm.graph.eliminate_dead_code()
 
     @staticmethod
-    def _emit(gm: fx.GraphModule, node: fx.Node, cap, causal: bool, info) -> None:
+    def _emit(gm: fx.GraphModule, node: fx.Node, cap, causal: bool, info) -> str:
         layouts, B, N = info.layouts, info.batch, info.seq_len
         g = gm.graph
         v = node.args[1]
@@ -116,6 +116,7 @@ class FuseAttention(GraphPass):
             out = _from_bnhd(g, out, node, lout)
         node.replace_all_uses_with(out)
         g.erase_node(node)
+        return key
 
 
 def _order_side_placeholders(cap) -> None:

@@ -10,11 +10,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import grcompile
-from grcompile.passes.detect_padding import DetectPadding
-from grcompile.passes.fuse_attention import FuseAttention
+from grcompile.passes import attention_pipeline
 from models import SampledSoftmaxRetrieval, build_encoder
 
-PIPELINE = [DetectPadding(), FuseAttention()]
+PIPELINE = attention_pipeline()
 
 
 @pytest.fixture(autouse=True)
