@@ -279,9 +279,9 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
         if _is_arange(leaf, N):
             side_ph[(leaf, role)] = q_pos if role == "q" else k_pos
         else:
-            side_ph[(leaf, role)] = g.placeholder(f"{role}_side_{leaf.name}")
+            side_ph[(leaf, role)] = g.placeholder(f"{role}_side_{len(cap.sides)}")  # by index: same math, same key
             cap.sides.append(Side(leaf, role, False))
-    table_ph = {t: g.placeholder(f"table_{t.name}") for t in tables}
+    table_ph = {t: g.placeholder(f"table_{i}") for i, t in enumerate(tables)}
     cap.tables = tables
 
     def value_of(a: Any, consumer: fx.Node) -> Any:
