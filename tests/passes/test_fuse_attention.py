@@ -161,3 +161,13 @@ def test_unprovable_mask_falls_back_and_stays_exact():
     report = assert_same(m, (ids,), ids != 0)
     assert report.rewrites == []
     assert any("padded keys" in f["reason"] for f in report.fallbacks)
+
+
+def test_explain_cli_prints_report_and_op_counts(capsys, tmp_path):
+    from grcompile.explain import main
+
+    report = main(["--model", "sasrec", "--max-len", "12", "--dump", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "score_mod_attention" in out and "sasrec.py:" in out
+    assert "torch.ops.grcompile.score_mod_attention.default +2" in out
+    assert len(report.rewrites) == 2 and (tmp_path / "graph_0" / "02-fuse_attention.py").exists()
