@@ -5,9 +5,12 @@ graph unchanged (and says so). Passes that exist today, one file each:
 
 * ``detect_padding`` — validity mask and Token / Pair layouts (analysis, rewrites nothing);
 * ``fuse_attention`` — dense masked attention → padding-free ``score_mod_attention`` with the
-  user's bias math captured as a score_mod and the mask proved.
+  user's bias math captured as a score_mod and the mask proved;
+* ``jagged_rewrite`` — the row-wise block on ``[T, ...]`` values (one data-dependent pack, no
+  recompiles), ``jagged_attention`` inside, scattered back where values leave the block.
 
-``attention_pipeline()`` runs them (opt in: ``grcompile.optimize(m, passes=attention_pipeline())``);
+``attention_pipeline()`` / ``jagged_pipeline()`` run them (opt in:
+``grcompile.optimize(m, passes=jagged_pipeline())``);
 they join the default once the jagged rewrite makes the whole block padding-free and the benchmark
 shows the win (see docs/DESIGN.md, "Compiler core").
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 from ..capture.pass_manager import GraphPass
 
-__all__ = ["DEFAULT_PIPELINE", "attention_pipeline", "default_pipeline"]
+__all__ = ["DEFAULT_PIPELINE", "attention_pipeline", "default_pipeline", "jagged_pipeline"]
 
 DEFAULT_PIPELINE: list[GraphPass] = []
 
@@ -23,6 +26,13 @@ DEFAULT_PIPELINE: list[GraphPass] = []
 def default_pipeline() -> list[GraphPass]:
     """A fresh list (the pass objects are shared: passes keep no per-graph state)."""
     return list(DEFAULT_PIPELINE)
+
+
+def jagged_pipeline() -> list[GraphPass]:
+    """Padding detection, fused attention, then the whole row-wise block on jagged values."""
+    from .jagged_rewrite import JaggedRewrite
+
+    return [*attention_pipeline(), JaggedRewrite()]
 
 
 def attention_pipeline() -> list[GraphPass]:

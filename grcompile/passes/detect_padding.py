@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from ..capture.pass_manager import GraphPass, PassContext, node_site
 from .layout import Layout, Pair, Token, propagate
-from .op_semantics import arg, canonical, example, shape_of
+from .op_semantics import arg, canonical, example, refresh_example_values, shape_of
 
 LAYOUT = "grcompile_layout"
 PADDING = "grcompile_padding"
@@ -91,6 +91,7 @@ class DetectPadding(GraphPass):
 
 def analyse(gm: fx.GraphModule) -> PaddingInfo | None:
     """Find the validity mask and propagate layouts; ``None`` when there is no padding mask."""
+    refresh_example_values(gm)
     candidates = [(n, d) for n in gm.graph.nodes if (d := _describe(n)) is not None]
     # `ids == pad` marks padding (validity negated); everything else marks validity
     is_padding = {n for n, _ in candidates if canonical(n) == "eq"}

@@ -227,7 +227,7 @@ def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
     if op == "dropout":
         return lx if isinstance(lx, (Token, Pair)) else None
     if not isinstance(lx, (Token, Pair, TupleOf)) and op not in ("matmul", "einsum", "embedding", "getitem",
-                                                                  "tril", "triu", "cat", "arange"):
+                                                                  "tril", "triu", "cat", "arange", "fused_attention"):
         return None
     if op == "unsqueeze":
         d = _norm_dim(arg(node, 1, "dim"), nd)
@@ -321,6 +321,8 @@ def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
         return None
     if op == "einsum":
         return _einsum(node, env)
+    if op == "fused_attention":
+        return Token(0, 1, 4)  # [B, N, H, dv] like its v
     if op == "arange":
         return None  # positions get their layout from the padding analysis (it knows N)
     return None

@@ -81,6 +81,15 @@ _register("factory", torch.ones, torch.zeros, torch.full, torch.empty, torch.one
 _register("arange", torch.arange)
 
 
+def _register_grcompile_ops() -> None:
+    # ops our own passes emit, so later passes see them with a canonical name too
+    from ..lowering import score_mod_attention  # noqa: F401 (registers the op)
+    _register("fused_attention", torch.ops.grcompile.score_mod_attention.default)
+
+
+_register_grcompile_ops()
+
+
 def canonical(node: fx.Node) -> str | None:
     """Canonical op name of ``node`` or ``None`` (placeholders, outputs, unknown ops)."""
     if node.op == "call_function":
@@ -115,3 +124,29 @@ def shape_of(value: Any) -> tuple[int, ...] | None:
         except TypeError:  # symbolic sizes
             return None
     return None
+
+
+def refresh_example_values(gm: fx.GraphModule) -> None:
+    """Give nodes that earlier passes inserted an ``example_value`` (fake tensors computed from
+    their inputs' example values), so layout analysis can run on a rewritten graph."""
+    values = [example(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = next((v.fake_mode for v in values if hasattr(v, "fake_mode")), None)
+    if fake_mode is None:
+        return
+    env: dict[fx.Node, object] = {}
+    with fake_mode:
+        for n in gm.graph.nodes:
+            known = n.meta.get("example_value")
+            if known is not None or n.op in ("placeholder", "output", "get_attr"):
+                env[n] = known
+                continue
+            args = fx.node.map_arg(n.args, env.get)
+            kwargs = fx.node.map_arg(n.kwargs, env.get)
+            if n.op == "call_function":
+                value = n.target(*args, **kwargs)
+            elif n.op == "call_method":
+                value = getattr(args[0], n.target)(*args[1:], **kwargs)
+            else:
+                value = None
+            n.meta["example_value"] = value
+            env[n] = value

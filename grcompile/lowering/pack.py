@@ -1,0 +1,24 @@
+"""``grcompile::pack_index(valid [B, N]) -> [T]``: flat indices ``b·N + n`` of the valid tokens.
+
+The one data-dependent step of the jagged rewrite. As an opaque op whose fake implementation
+allocates an unbacked size, the compiled graph keeps running on ``[T, ...]`` values for any
+length mix without recompiling; everything else (gather with the index, scatter back, offsets,
+positions) is ordinary traceable torch.
+"""
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.custom_op("grcompile::pack_index", mutates_args=())
+def pack_index(valid: torch.Tensor) -> torch.Tensor:
+    if valid.dtype != torch.bool or valid.dim() != 2:
+        raise ValueError(f"pack_index: valid must be a bool [B, N] mask, got {valid.dtype} {tuple(valid.shape)}")
+    return torch.nonzero(valid.reshape(-1)).reshape(-1)
+
+
+@pack_index.register_fake
+def _(valid):
+    ctx = torch.library.get_ctx()
+    T = ctx.new_dynamic_size(max=valid.numel())
+    return valid.new_empty(T, dtype=torch.int64)

@@ -1,0 +1,361 @@
+"""Pass ``jagged_rewrite``: row-wise work on padded ``[B, N, ...]`` tensors → values ``[T, ...]``.
+
+Matches: the region of heavy Token tensors (a feature axis > 1, a real batch axis) computed by
+row-wise ops — embedding lookups, linear, norms, activations, dropout, elementwise gating and
+residuals, feature reshapes/splits — plus the fused attentions ``fuse_attention`` emitted.
+Emits: one ``grcompile::pack_index(valid)`` (the data-dependent T, an unbacked size, so no
+recompiles), gathers at the region's inputs (ids are packed *before* the embedding), the same
+ops on ``[T, ...]``, ``grcompile::jagged_attention`` for the attentions, and a scatter back to
+``[B, N, ...]`` (zeros at padding) where a value leaves the region.
+Invariant: exact at every valid position. Leaving the region is allowed only where the original
+value is provably zero at padding (multiplied by the validity mask, or a fused attention output),
+so the zeros of the scatter equal the original; otherwise the whole graph stays dense and the
+report names the consumer.
+"""
+from __future__ import annotations
+
+import copy
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..capture.pass_manager import GraphPass, PassContext
+from ..lowering import pack as _pack  # noqa: F401 (registers grcompile::pack_index)
+from ..lowering import attention as _attention  # noqa: F401 (registers grcompile::jagged_attention)
+from ..lowering.jagged import valid_to_offsets
+from .attention_capture import Unsupported, side_value, _Any
+from .detect_padding import analyse
+from .layout import Token, TupleOf
+from .op_semantics import arg, canonical, shape_of
+
+_POINTWISE = ("ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "add", "sub", "mul", "div", "neg",
+              "unary", "where", "masked_fill", "dropout")
+_HANDLED = _POINTWISE + ("linear", "layer_norm", "rms_norm", "normalize", "softmax", "embedding", "reshape",
+                         "unsqueeze", "squeeze", "transpose", "permute", "expand", "split", "chunk", "getitem",
+                         "cat", "matmul", "reduce", "fused_attention")
+
+
+def _token_axes(layout: Token) -> list[int]:
+    return [a for a in (layout.batch, layout.seq) if a is not None]
+
+
+def _features(layout: Token) -> list[int]:
+    return [a for a in range(layout.ndim) if a not in (layout.batch, layout.seq)]
+
+
+def _unpack(values: torch.Tensor, index: torch.Tensor, B: int, N: int) -> torch.Tensor:
+    out = values.new_zeros(B * N, *values.shape[1:]).index_put((index,), values)
+    return out.reshape(B, N, *values.shape[1:])
+
+
+class JaggedRewrite(GraphPass):
+    name = "jagged_rewrite"
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        info = analyse(gm)  # fresh layouts: earlier passes added nodes
+        if info is None:
+            return
+        saved = copy.deepcopy(gm.graph)
+        try:
+            converted = _Rewriter(gm, info).run()
+            if converted:
+                _allow_data_dependent_sizes(gm)
+        except Unsupported as e:
+            gm.graph = saved
+            ctx.fallback(e.node, f"jagged rewrite skipped: {e}")
+            return
+        for op, node in converted:
+            ctx.rewrite(op, node)
+
+
+def _allow_data_dependent_sizes(gm: fx.GraphModule) -> None:
+    """``pack_index`` has a data-dependent size (T). Dynamo built this graph's ShapeEnv without
+    permission for such ops (nothing in the user's code needed it); AOTAutograd and inductor
+    handle the unbacked size fine once the ShapeEnv allows it."""
+    import dataclasses
+
+    for n in gm.graph.nodes:
+        fake_mode = getattr(n.meta.get("example_value"), "fake_mode", None)
+        if n.op == "placeholder" and fake_mode is not None and fake_mode.shape_env is not None:
+            env = fake_mode.shape_env
+            env.settings = dataclasses.replace(env.settings, allow_dynamic_output_shape_ops=True)
+            return
+
+
+class _Rewriter:
+    def __init__(self, gm: fx.GraphModule, info) -> None:
+        self.gm, self.g, self.info = gm, gm.graph, info
+        self.layouts = info.layouts
+        self.B, self.N = info.batch, info.seq_len
+        self.jagged: dict[fx.Node, fx.Node] = {}
+        self.packed: dict[fx.Node, fx.Node] = {}
+        self.region = self._select()
+
+    # ---------------------------------------------------------------- region
+    def _heavy(self, n: fx.Node) -> bool:
+        layout, shape = self.layouts.get(n), shape_of(n)
+        return any(shape[a] > 1 for a in _features(layout))
+
+    def _select(self) -> list[fx.Node]:
+        region: list[fx.Node] = []
+        members: set[fx.Node] = set()
+        for n in self.g.nodes:
+            op, layout = canonical(n), self.layouts.get(n)
+            if op not in _HANDLED:
+                continue
+            fed = any(a in members for a in n.all_input_nodes)
+            if isinstance(layout, TupleOf) and fed:
+                pass
+            elif op == "fused_attention":
+                pass
+            elif not (isinstance(layout, Token) and layout.batch is not None and layout.seq is not None):
+                continue
+            elif shape_of(n)[layout.batch] != self.B or not (self._heavy(n) or fed):
+                continue
+            elif op == "matmul" and self.layouts.get(n.args[1]) is not None:
+                continue
+            region.append(n)
+            members.add(n)
+        self.members = members
+        return region
+
+    # ---------------------------------------------------------------- emit
+    def run(self) -> list[tuple[str, fx.Node]]:
+        if not any(self._heavy(n) for n in self.region if isinstance(self.layouts.get(n), Token)):
+            return []
+        g = self.g
+        first = self.region[0]
+        valid = self.info.validity[0] if self.info.validity else None
+        anchor = max((v for v in [valid, *self.info.padding] if v is not None),
+                     key=lambda v: list(g.nodes).index(v))
+        with g.inserting_after(anchor):
+            if valid is None:
+                valid = g.call_function(torch.logical_not, (self.info.padding[0],))
+            self.index = g.call_function(torch.ops.grcompile.pack_index.default, (valid,))
+        with g.inserting_after(self.index):
+            self.positions = g.call_function(operator.mod, (self.index, self.N))
+        with g.inserting_after(self.positions):
+            self.rows = g.call_function(operator.floordiv, (self.index, self.N))
+        with g.inserting_after(self.rows):
+            self.offsets = g.call_function(valid_to_offsets, (valid,))
+        if list(g.nodes).index(self.offsets) > list(g.nodes).index(first):
+            raise Unsupported("the validity mask is computed after the first row-wise op", first)
+        done = []
+        for n in self.region:
+            with g.inserting_before(n):
+                self.jagged[n] = self._convert(n)
+            done.append((canonical(n) if canonical(n) != "fused_attention" else "jagged_attention", n))
+        self._exits()
+        g.eliminate_dead_code()
+        return [d for d in done if d[0] in ("embedding", "linear", "jagged_attention", "layer_norm", "rms_norm")]
+
+    def _exits(self) -> None:
+        g = self.g
+        for n in self.region:
+            outside = [u for u in n.users if u not in self.members]
+            if not outside:
+                continue
+            if isinstance(self.layouts.get(n), TupleOf):
+                raise Unsupported(f"split {n.name} is consumed outside the jagged region", outside[0])
+            if not self._zero_at_padding(n):
+                raise Unsupported(f"{n.name} is used by {outside[0].name} outside the jagged region and is not "
+                                  f"provably zero at padding (multiply it by the validity mask)", outside[0])
+            layout = self.layouts[n]
+            shape = shape_of(n)
+            with g.inserting_after(self.jagged[n]):
+                dense = g.call_function(_unpack, (self.jagged[n], self.index, self.B, self.N))
+                order = _token_axes(layout) + _features(layout)
+                if order != list(range(len(order))):
+                    inverse = [order.index(a) for a in range(len(order))]
+                    dense = g.call_method("permute", (dense, *inverse))
+            for u in outside:
+                u.replace_input_with(n, dense)
+
+    def _zero_at_padding(self, n: fx.Node) -> bool:
+        if canonical(n) == "fused_attention":
+            return True
+        if canonical(n) != "mul":
+            return False
+        validity, padding = set(self.info.validity), set(self.info.padding)
+        for other in n.args[:2]:
+            if isinstance(other, fx.Node) and other not in self.members:
+                value = side_value(other, torch.tensor(False), validity, padding)
+                if not isinstance(value, _Any) and bool((value == 0).all()):
+                    return True
+        return False
+
+    # ---------------------------------------------------------------- operands
+    def _pack(self, x: fx.Node) -> fx.Node:
+        """A Token tensor from outside the region as ``[T, *features]``."""
+        if x in self.packed:
+            return self.packed[x]
+        layout, shape = self.layouts[x], shape_of(x)
+        g = self.g
+        nodes = list(g.nodes)
+        point = x if nodes.index(x) > nodes.index(self.offsets) else self.offsets
+
+        def emit(kind: str, target, *args) -> fx.Node:
+            nonlocal point
+            with g.inserting_after(point):
+                point = g.call_method(target, args) if kind == "method" else g.call_function(target, args)
+            return point
+
+        order = _token_axes(layout) + _features(layout)
+        y = emit("method", "permute", x, *order) if order != list(range(len(order))) else x
+        feats = [shape[a] for a in _features(layout)]
+        b = shape[layout.batch] if layout.batch is not None else 1
+        s = shape[layout.seq] if layout.seq is not None else 1
+        if b == self.B and s == self.N:
+            idx = self.index
+        elif b == 1 and s == self.N:
+            idx = self.positions
+        elif b == self.B and s == 1:
+            idx = self.rows
+        else:
+            raise Unsupported(f"cannot pack {x.name} {shape}", x)
+        y = emit("method", "reshape", y, b * s, *feats)
+        y = emit("function", operator.getitem, y, idx)
+        self.packed[x] = y
+        return y
+
+    def _operand(self, a, n: fx.Node):
+        """Argument ``a`` of pointwise ``n`` in the jagged frame of ``n``'s output."""
+        if not isinstance(a, fx.Node):
+            return a
+        out_layout = self.layouts[n]
+        nd = out_layout.ndim
+        if a in self.members:
+            value, layout = self.jagged[a], self.layouts[a]
+        elif isinstance(self.layouts.get(a), Token):
+            value, layout = self._pack(a), self.layouts[a]
+        else:
+            shape = shape_of(a)
+            if shape is None or len(shape) == 0:
+                return a
+            offset = nd - len(shape)
+            drop = [i for i in range(len(shape)) if i + offset in (out_layout.batch, out_layout.seq)]
+            if any(shape[i] != 1 for i in drop):
+                raise Unsupported(f"{a.name} {shape} varies along the token axes without a layout", n)
+            if not drop:
+                return a
+            return self.g.call_method("reshape", (a, *[shape[i] for i in range(len(shape)) if i not in drop]))
+        offset = nd - layout.ndim
+        mapped = [f + offset for f in _features(layout)]
+        shape = shape_of(a)
+        # a broadcast axis of `a` (size 1) that lands on one of the output's token axes is not a
+        # feature of the jagged form: squeeze it
+        squeeze = [i for i, m in enumerate(mapped) if m in (out_layout.batch, out_layout.seq)]
+        if any(shape[_features(layout)[i]] != 1 for i in squeeze):
+            raise Unsupported(f"{a.name} {shape} does not line up with {n.name}'s token axes", n)
+        for i in reversed(squeeze):
+            value = self.g.call_method("squeeze", (value, 1 + i))
+        mapped = [m for i, m in enumerate(mapped) if i not in squeeze]
+        out_feats = _features(out_layout)
+        if mapped != out_feats[len(out_feats) - len(mapped):]:
+            raise Unsupported(f"{a.name} broadcasts across feature axes in a way the jagged form cannot keep", n)
+        return value
+
+    def _dim(self, n: fx.Node, d: int, layout: Token | None = None) -> int:
+        layout = layout or self.layouts[n.args[0]] if isinstance(n.args[0], fx.Node) else layout
+        d = d + layout.ndim if d < 0 else d
+        feats = _features(layout)
+        if d not in feats:
+            raise Unsupported(f"{n.name} works along a token axis", n)
+        return 1 + feats.index(d)
+
+    # ---------------------------------------------------------------- ops
+    def _convert(self, n: fx.Node) -> fx.Node:
+        g, op = self.g, canonical(n)
+        x = n.args[0] if n.args else None
+        J = lambda a: self.jagged[a] if a in self.members else (self._pack(a) if isinstance(self.layouts.get(a), Token) else a)  # noqa: E731
+        call = (lambda args, kwargs: g.call_method(n.target, args, kwargs)) if n.op == "call_method" else \
+            (lambda args, kwargs: g.call_function(n.target, args, kwargs))
+        if op in _POINTWISE:
+            args = fx.node.map_arg(n.args, lambda a: self._operand(a, n))
+            kwargs = fx.node.map_arg(n.kwargs, lambda a: self._operand(a, n))
+            return call(args, kwargs)
+        if op in ("linear", "layer_norm", "rms_norm"):
+            return call((J(x), *n.args[1:]), dict(n.kwargs))
+        if op == "embedding":
+            return call((self._pack(x), *n.args[1:]), dict(n.kwargs))
+        if op == "matmul":
+            return call((J(x), n.args[1]), {})
+        if op in ("normalize", "softmax"):
+            index, name, default = (2, "dim", 1) if op == "normalize" else (1, "dim", None)
+            d = self._dim(n, arg(n, index, name, default))
+            args = list(n.args)
+            kwargs = dict(n.kwargs)
+            if len(args) > index:
+                args[index] = d
+            else:
+                kwargs[name] = d
+            return call((J(x), *args[1:]), kwargs)
+        if op == "dropout":
+            return call((J(x), *n.args[1:]), dict(n.kwargs))
+        if op in ("reshape", "expand"):
+            out_layout = self.layouts[n]
+            shape = shape_of(n)
+            sizes = [shape[a] for a in _features(out_layout)]
+            return g.call_method("reshape" if op == "reshape" else "expand", (J(x), -1, *sizes))
+        if op == "unsqueeze":
+            d = arg(n, 1, "dim")
+            out_layout = self.layouts[n]
+            return g.call_method("unsqueeze", (J(x), self._dim(n, d, out_layout)))
+        if op == "squeeze":
+            return g.call_method("squeeze", (J(x), self._dim(n, arg(n, 1, "dim"))))
+        if op in ("transpose", "permute"):
+            in_layout, out_layout = self.layouts[x], self.layouts[n]
+            nd = in_layout.ndim
+            if op == "transpose":
+                d0, d1 = (arg(n, 1, "dim0") % nd, arg(n, 2, "dim1") % nd)
+                source = [d1 if a == d0 else d0 if a == d1 else a for a in range(nd)]
+            else:
+                dims = n.args[1:] if len(n.args) > 2 else arg(n, 1, "dims")
+                source = [d % nd for d in dims]
+            in_feats = _features(in_layout)
+            perm = [0] + [1 + in_feats.index(source[a]) for a in _features(out_layout)]
+            return g.call_method("permute", (J(x), *perm))
+        if op in ("split", "chunk"):
+            d = self._dim(n, arg(n, 2, "dim", 0))
+            args = list(n.args)
+            kwargs = dict(n.kwargs)
+            if len(args) > 2:
+                args[2] = d
+            else:
+                kwargs["dim"] = d
+            return call((J(x), *args[1:]), kwargs)
+        if op == "getitem":
+            if isinstance(self.layouts.get(x), TupleOf):
+                return g.call_function(operator.getitem, (J(x), n.args[1]))
+            raise Unsupported(f"indexing {n.name} inside the jagged region", n)
+        if op == "cat":
+            tensors = arg(n, 0, "tensors")
+            d = self._dim(n, arg(n, 1, "dim", 0), self.layouts[tensors[0]])
+            return g.call_function(torch.cat, ([J(t) for t in tensors],), {"dim": d})
+        if op == "reduce":
+            dims = arg(n, 1, "dim")
+            dims = [self._dim(n, d) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+            keep = arg(n, 2, "keepdim", False)
+            return call((J(x), dims), {"keepdim": keep} if keep else {})
+        if op == "fused_attention":
+            return self._attention(n)
+        raise Unsupported(f"no jagged form for {op}", n)
+
+    def _attention(self, n: fx.Node) -> fx.Node:
+        g = self.g
+        q, k, v, _valid, q_sides, k_sides, tables = n.args
+        opts = n.kwargs
+        Jt = lambda a: self.jagged[a] if a in self.members else self._pack(a)  # noqa: E731
+        vj = Jt(v)
+        if q is None:
+            qj = kj = g.call_function(torch.zeros_like, (g.call_function(operator.getitem, (vj, (Ellipsis, slice(0, 1)))),))
+        else:
+            qj, kj = Jt(q), Jt(k)
+        qs = [self._pack(s) for s in q_sides]
+        ks = [self._pack(s) for s in k_sides]
+        activation = {"none": "identity", "softmax": "softmax"}[opts["normalize"]]
+        return g.call_function(torch.ops.grcompile.jagged_attention.default,
+                               (qj, kj, vj, self.offsets, self.positions, qs, ks, list(tables)),
+                               {"score_mod": opts["score_mod"], "use_qk": q is not None, "activation": activation,
+                                "scale": 1.0, "out_scale": 1.0, "causal": opts["causal"], "max_len": self.N})
