@@ -1,0 +1,103 @@
+"""jagged_rewrite: the whole row-wise block runs on [T, ...] values; exact values and gradients
+at every valid position, one compile over many length mixes, unsafe exits fall back."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import grcompile
+from grcompile.passes import jagged_pipeline
+from models import SampledSoftmaxRetrieval, build_encoder
+
+from .test_fuse_attention import assert_same, random_batch
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def same_under(pipeline, module, inputs, valid, lowering="eager"):
+    import tests.passes.test_fuse_attention as fa
+
+    saved, fa.PIPELINE = fa.PIPELINE, pipeline
+    try:
+        return assert_same(module, inputs, valid, lowering=lowering)
+    finally:
+        fa.PIPELINE = saved
+
+
+@pytest.mark.parametrize("model", ["hstu", "fuxi", "sasrec"])
+def test_models_jagged_and_exact(model):
+    torch.manual_seed(0)
+    enc = build_encoder(model, "ml1m", num_items=50, max_len=16, num_blocks=2, dropout=0.0).double()
+    ids, ts = random_batch([0, 1, 16, 9], 16)
+    report = same_under(jagged_pipeline(), enc, (ids, ts), ids != 0)
+    ops = {r["op"] for r in report.rewrites if r["pass"] == "jagged_rewrite"}
+    assert {"embedding", "linear", "jagged_attention"} <= ops
+    assert report.fallbacks == []
+
+
+@settings(max_examples=6, deadline=None)
+@given(lengths=st.lists(st.integers(0, 10), min_size=1, max_size=4), left=st.booleans(),
+       model=st.sampled_from(["hstu", "fuxi", "sasrec"]))
+def test_random_length_mixes(lengths, left, model):
+    torch._dynamo.reset()
+    torch.manual_seed(2)
+    enc = build_encoder(model, "ml1m", num_items=50, max_len=10, num_blocks=1, dropout=0.0).double()
+    ids, ts = random_batch(lengths, 10, left=left)
+    same_under(jagged_pipeline(), enc, (ids, ts), ids != 0)
+
+
+def test_one_compile_across_length_mixes_with_inductor():
+    torch.manual_seed(0)
+    enc = build_encoder("hstu", "ml1m", num_items=50, max_len=12, num_blocks=1, dropout=0.0)
+    task = SampledSoftmaxRetrieval(enc)
+    optimized = grcompile.optimize(task, passes=jagged_pipeline())
+    for trial, lengths in enumerate([[12, 3, 0, 7], [1, 1, 1, 1], [12, 12, 12, 12], [5, 0, 9, 2]]):
+        ids, ts = random_batch(lengths, 12, seed=trial)
+        neg = torch.randint(1, 50, (4, 6))
+        loss = optimized(ids, ts, neg)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in task.named_parameters()}
+        task.zero_grad()
+        ref = task(ids, ts, neg)
+        ref.backward()
+        torch.testing.assert_close(loss, ref)
+        for n, p in task.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, msg=n, rtol=1e-4, atol=1e-5)
+        task.zero_grad()
+    report = grcompile.report(optimized)
+    assert report.compiles == 1 and report.graph_breaks == 0
+    assert any(r["op"] == "jagged_attention" for r in report.rewrites)
+
+
+class Unmasked(nn.Module):
+    """Output not masked at padding and reduced over the sequence: the padded positions' values
+    matter, so the block must stay dense."""
+
+    def __init__(self, D=8):
+        super().__init__()
+        self.emb = nn.Embedding(40, D)
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, ids):
+        valid = ids != 0
+        h = F.silu(self.lin(self.emb(ids)))
+        return h.mean(dim=1), valid.sum()
+
+
+def test_unsafe_exit_falls_back_with_reason_and_stays_exact():
+    torch.manual_seed(0)
+    m = Unmasked().double()
+    ids, _ = random_batch([5, 2, 0], 8, num_items=40)
+    optimized = grcompile.optimize(m, passes=jagged_pipeline(), lowering="eager")
+    out, _ = optimized(ids)
+    torch.testing.assert_close(out, m(ids)[0])
+    report = grcompile.report(optimized)
+    assert not any(r["pass"] == "jagged_rewrite" for r in report.rewrites)
+    reasons = [f["reason"] for f in report.fallbacks if f["pass"] == "jagged_rewrite"]
+    assert reasons and "not provably zero at padding" in reasons[0]
