@@ -8,6 +8,7 @@ graph before and after each pass. ``--dump DIR`` keeps the per-pass graphs as re
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 from collections import Counter
@@ -16,23 +17,23 @@ from pathlib import Path
 import torch
 
 import grcompile
-from grcompile.passes import attention_pipeline, default_pipeline
+from grcompile.passes import PIPELINES
 from models import PRESETS, SampledSoftmaxRetrieval, build_encoder
 
-PIPELINES = {"default": default_pipeline, "attention": attention_pipeline}
+_CALL = re.compile(r"^\s*\w+(?:\s*:\s*\"[^\"]*\")?\s*=\s*([\w.]+)\(")
 
 
 def op_counts(path: Path) -> Counter[str]:
-    """Count calls by op name in a dumped graph file (``torch.ops.*``, ``torch.*``, methods)."""
+    """Count calls by op name in a dumped graph file (``torch.ops.*`` in full, others by name)."""
     counts: Counter[str] = Counter()
     for line in path.read_text().splitlines():
-        line = line.strip()
-        if "=" not in line or line.startswith("#") or line.startswith("def ") or line.startswith("return"):
+        match = _CALL.match(line)
+        if match is None:
             continue
-        rhs = line.split("=", 1)[1].strip()
-        call = rhs.split("(", 1)[0].strip()
-        if call and not call.startswith(("l_", "L_")) and "(" in rhs:
-            counts[call if call.startswith("torch.ops") else call.rsplit(".", 1)[-1]] += 1
+        call = match.group(1)
+        if call.startswith(("l_", "L_")):
+            continue
+        counts[call if call.startswith("torch.ops") else call.rsplit(".", 1)[-1]] += 1
     return counts
 
 
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> grcompile.Report:
     p.add_argument("--preset", default="ml1m")
     p.add_argument("--max-len", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--pipeline", choices=sorted(PIPELINES), default="attention")
+    p.add_argument("--pipeline", choices=sorted(PIPELINES), default="jagged")
     p.add_argument("--dump", type=Path, default=None, help="keep the per-pass graphs here")
     args = p.parse_args(argv)
 

@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-negatives", type=int, default=128)
     p.add_argument("--dropout", type=float, default=None,
                    help="override the preset's dropout (0 makes losses comparable across modes)")
+    p.add_argument("--pipeline", choices=("default", "attention", "jagged"), default="default",
+                   help="grcompile's pass pipeline (default: grcompile.passes.DEFAULT_PIPELINE)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--timeout", type=float, default=None, help="seconds per mode before it is killed")
     p.add_argument("--json", default=None, help="write the results here")
@@ -193,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     config = dict(model=args.model, preset=args.preset, max_len=args.max_len, batch_size=args.batch_size,
                   steps=args.steps, warmup=args.warmup, seed=args.seed, threads=args.threads,
                   num_users=args.num_users, num_items=args.num_items, num_negatives=args.num_negatives,
-                  dropout=args.dropout, device=args.device, dataset="synthetic")
+                  dropout=args.dropout, pipeline=args.pipeline, device=args.device, dataset="synthetic")
     results: dict[str, dict[str, Any]] = {}
     for mode in args.modes:
         print(f"[grcompile.bench] running {mode} ...", file=sys.stderr, flush=True)

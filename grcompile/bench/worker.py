@@ -59,26 +59,13 @@ def current_rss_mb() -> float | None:
     return None
 
 
-def _fallback_mode(module: Any, mode: str) -> tuple[Any, str]:
-    """Used only while grcompile.modes does not exist yet (eager / inductor only)."""
-    import torch
+def apply_mode(module: Any, mode: str, pipeline: str = "default") -> tuple[Any, Any]:
+    """Returns (compiled module, describe() -> str); ``pipeline`` picks grcompile's passes."""
+    from grcompile.modes import apply_compile_mode, describe_mode
+    from grcompile.passes import PIPELINES
 
-    if mode == "eager":
-        return module, "eager: no compilation (PyTorch eager)"
-    if mode == "inductor":
-        return torch.compile(module, backend="inductor"), "inductor: torch.compile(backend='inductor')"
-    raise RuntimeError(f"compile mode {mode!r} needs grcompile.modes.apply_compile_mode, which is not importable")
-
-
-def apply_mode(module: Any, mode: str) -> tuple[Any, Any]:
-    """Returns (compiled module, describe() -> str)."""
-    try:
-        from grcompile.modes import apply_compile_mode, describe_mode
-    except ImportError as exc:
-        log(f"[bench.worker] grcompile.modes not importable ({exc}); using the built-in eager/inductor fallback")
-        compiled, text = _fallback_mode(module, mode)
-        return compiled, (lambda: text)
-    compiled = apply_compile_mode(module, mode)
+    options = {"passes": PIPELINES[pipeline]()} if mode == "grcompile" else {}
+    compiled = apply_compile_mode(module, mode, **options)
     return compiled, (lambda: describe_mode(compiled))
 
 
@@ -142,7 +129,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     task = SampledSoftmaxRetrieval(encoder, temperature=cfg["temperature"]).to(device)
     task.train()
     optimizer = torch.optim.Adam(task.parameters(), lr=cfg["lr"])
-    step_fn, describe = apply_mode(task, mode)
+    step_fn, describe = apply_mode(task, mode, cfg.get("pipeline", "default"))
 
     pad = encoder.config.pad_id
     lengths = [valid_lengths(b["ids"].cpu(), pad) for b in data]

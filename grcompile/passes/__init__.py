@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ..capture.pass_manager import GraphPass
 
-__all__ = ["DEFAULT_PIPELINE", "attention_pipeline", "default_pipeline", "jagged_pipeline"]
+__all__ = ["DEFAULT_PIPELINE", "PIPELINES", "attention_pipeline", "default_pipeline", "jagged_pipeline"]
 
 DEFAULT_PIPELINE: list[GraphPass] = []
 
@@ -41,3 +41,6 @@ def attention_pipeline() -> list[GraphPass]:
     from .fuse_attention import FuseAttention
 
     return [DetectPadding(), FuseAttention()]
+
+
+PIPELINES = {"default": default_pipeline, "attention": attention_pipeline, "jagged": jagged_pipeline}

@@ -166,7 +166,7 @@ def test_unprovable_mask_falls_back_and_stays_exact():
 def test_explain_cli_prints_report_and_op_counts(capsys, tmp_path):
     from grcompile.explain import main
 
-    report = main(["--model", "sasrec", "--max-len", "12", "--dump", str(tmp_path)])
+    report = main(["--model", "sasrec", "--max-len", "12", "--pipeline", "attention", "--dump", str(tmp_path)])
     out = capsys.readouterr().out
     assert "score_mod_attention" in out and "sasrec.py:" in out
     assert "torch.ops.grcompile.score_mod_attention.default +2" in out
