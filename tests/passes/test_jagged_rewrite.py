@@ -10,7 +10,7 @@ import grcompile
 from grcompile.passes import jagged_pipeline
 from models import SampledSoftmaxRetrieval, build_encoder
 
-from .test_fuse_attention import assert_same, random_batch
+from .test_fuse_attention import assert_same, assert_training_step_same, random_batch
 
 
 @pytest.fixture(autouse=True)
@@ -20,22 +20,12 @@ def _reset():
     torch._dynamo.reset()
 
 
-def same_under(pipeline, module, inputs, valid, lowering="eager"):
-    import tests.passes.test_fuse_attention as fa
-
-    saved, fa.PIPELINE = fa.PIPELINE, pipeline
-    try:
-        return assert_same(module, inputs, valid, lowering=lowering)
-    finally:
-        fa.PIPELINE = saved
-
-
 @pytest.mark.parametrize("model", ["hstu", "fuxi", "sasrec"])
 def test_models_jagged_and_exact(model):
     torch.manual_seed(0)
     enc = build_encoder(model, "ml1m", num_items=50, max_len=16, num_blocks=2, dropout=0.0).double()
     ids, ts = random_batch([0, 1, 16, 9], 16)
-    report = same_under(jagged_pipeline(), enc, (ids, ts), ids != 0)
+    report = assert_same(enc, (ids, ts), ids != 0, passes=jagged_pipeline())
     ops = {r["op"] for r in report.rewrites if r["pass"] == "jagged_rewrite"}
     assert {"embedding", "linear", "jagged_attention"} <= ops
     assert report.fallbacks == []
@@ -49,7 +39,7 @@ def test_random_length_mixes(lengths, left, model):
     torch.manual_seed(2)
     enc = build_encoder(model, "ml1m", num_items=50, max_len=10, num_blocks=1, dropout=0.0).double()
     ids, ts = random_batch(lengths, 10, left=left)
-    same_under(jagged_pipeline(), enc, (ids, ts), ids != 0)
+    assert_same(enc, (ids, ts), ids != 0, passes=jagged_pipeline())
 
 
 def test_one_compile_across_length_mixes_with_inductor():
@@ -59,17 +49,7 @@ def test_one_compile_across_length_mixes_with_inductor():
     optimized = grcompile.optimize(task, passes=jagged_pipeline())
     for trial, lengths in enumerate([[12, 3, 0, 7], [1, 1, 1, 1], [12, 12, 12, 12], [5, 0, 9, 2]]):
         ids, ts = random_batch(lengths, 12, seed=trial)
-        neg = torch.randint(1, 50, (4, 6))
-        loss = optimized(ids, ts, neg)
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in task.named_parameters()}
-        task.zero_grad()
-        ref = task(ids, ts, neg)
-        ref.backward()
-        torch.testing.assert_close(loss, ref)
-        for n, p in task.named_parameters():
-            torch.testing.assert_close(grads[n], p.grad, msg=n, rtol=1e-4, atol=1e-5)
-        task.zero_grad()
+        assert_training_step_same(optimized, task, (ids, ts, torch.randint(1, 50, (4, 6))))
     report = grcompile.report(optimized)
     assert report.compiles == 1 and report.graph_breaks == 0
     assert any(r["op"] == "jagged_attention" for r in report.rewrites)
