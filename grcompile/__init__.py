@@ -40,7 +40,7 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
     """Return ``model`` compiled lazily by torch.compile with the grcompile backend.
 
     Options (as ``options={...}`` or keywords): ``dump_dir`` (default ``$GRCOMPILE_DUMP_DIR``),
-    ``passes`` (``None`` -> ``grcompile.passes.DEFAULT_PIPELINE``, else a list of ``GraphPass``),
+    ``passes`` (``None`` -> ``grcompile.passes.default_pipeline()``, ``[]`` -> none, else a list of ``GraphPass``),
     ``lowering`` (``"inductor"`` or ``"eager"``: run the transformed graph as is),
     ``dynamic`` and ``fullgraph`` (passed to torch.compile).
     """

@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=None,
                    help="override the preset's dropout (0 makes losses comparable across modes)")
     p.add_argument("--pipeline", choices=("default", "attention", "jagged"), default="default",
-                   help="grcompile's pass pipeline (default: grcompile.passes.DEFAULT_PIPELINE)")
+                   help="grcompile's pass pipeline (default: grcompile.passes.default_pipeline(), the jagged one)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--timeout", type=float, default=None, help="seconds per mode before it is killed")
     p.add_argument("--json", default=None, help="write the results here")

@@ -1,7 +1,6 @@
 """The pass pipeline, in order.
 
-``DEFAULT_PIPELINE`` is still empty: until the jagged rewrite lands, grcompile lowers the captured
-graph unchanged (and says so). Passes that exist today, one file each:
+``default_pipeline()`` is the jagged pipeline. Passes, one file each, in order:
 
 * ``detect_padding`` — validity mask and Token / Pair layouts (analysis, rewrites nothing);
 * ``fuse_attention`` — dense masked attention → padding-free ``score_mod_attention`` with the
@@ -9,23 +8,18 @@ graph unchanged (and says so). Passes that exist today, one file each:
 * ``jagged_rewrite`` — the row-wise block on ``[T, ...]`` values (one data-dependent pack, no
   recompiles), ``jagged_attention`` inside, scattered back where values leave the block.
 
-``attention_pipeline()`` / ``jagged_pipeline()`` run them (opt in:
-``grcompile.optimize(m, passes=jagged_pipeline())``);
-they join the default once the jagged rewrite makes the whole block padding-free and the benchmark
-shows the win (see docs/DESIGN.md, "Compiler core").
+``attention_pipeline()`` stops after the fusion; ``passes=[]`` lowers the captured graph unchanged.
+Every pass is exact at valid positions or falls back with a reason (see docs/DESIGN.md).
 """
 from __future__ import annotations
 
 from ..capture.pass_manager import GraphPass
 
-__all__ = ["DEFAULT_PIPELINE", "PIPELINES", "attention_pipeline", "default_pipeline", "jagged_pipeline"]
-
-DEFAULT_PIPELINE: list[GraphPass] = []
-
+__all__ = ["PIPELINES", "attention_pipeline", "default_pipeline", "jagged_pipeline"]
 
 def default_pipeline() -> list[GraphPass]:
-    """A fresh list (the pass objects are shared: passes keep no per-graph state)."""
-    return list(DEFAULT_PIPELINE)
+    """A fresh list of the default passes (they keep no per-graph state)."""
+    return jagged_pipeline()
 
 
 def jagged_pipeline() -> list[GraphPass]:
