@@ -113,6 +113,8 @@ class FuseAttention(GraphPass):
             out = g.call_function(torch.ops.grcompile.score_mod_attention.default,
                                   (q, k, vv, valid, q_sides, k_sides, list(cap.tables)),
                                   {"score_mod": key, "normalize": cap.normalize, "causal": causal})
+            if node.meta.get("stack_trace"):
+                out.meta["stack_trace"] = node.meta["stack_trace"]  # reports point at the user's line
             out = _from_bnhd(g, out, node, lout)
         node.replace_all_uses_with(out)
         g.erase_node(node)

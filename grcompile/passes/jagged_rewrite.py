@@ -145,6 +145,8 @@ class _Rewriter:
         for n in self.region:
             with g.inserting_before(n):
                 self.jagged[n] = self._convert(n)
+            if n.meta.get("stack_trace") and not self.jagged[n].meta.get("stack_trace"):
+                self.jagged[n].meta["stack_trace"] = n.meta["stack_trace"]
             done.append((canonical(n) if canonical(n) != "fused_attention" else "jagged_attention", n))
         self._exits()
         g.eliminate_dead_code()
