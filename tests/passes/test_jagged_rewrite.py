@@ -81,3 +81,16 @@ def test_unsafe_exit_falls_back_with_reason_and_stays_exact():
     assert not any(r["pass"] == "jagged_rewrite" for r in report.rewrites)
     reasons = [f["reason"] for f in report.fallbacks if f["pass"] == "jagged_rewrite"]
     assert reasons and "not provably zero at padding" in reasons[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["hstu", "fuxi", "sasrec"])
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(0, 10), min_size=1, max_size=5), left=st.booleans())
+def test_random_length_mixes_200_per_model(model, lengths, left):
+    """The issue's property test at full strength (``make test-slow``)."""
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    enc = build_encoder(model, "ml1m", num_items=50, max_len=10, num_blocks=1, dropout=0.0).double()
+    ids, ts = random_batch(lengths, 10, left=left)
+    assert_same(enc, (ids, ts), ids != 0, passes=jagged_pipeline())
