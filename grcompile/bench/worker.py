@@ -30,15 +30,23 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def peak_rss_mb() -> float | None:
-    """Peak resident set size of this process (VmHWM), MB (MiB)."""
+def _proc_status_mb(field: str) -> float | None:
+    """A memory field of /proc/self/status (``VmHWM``, ``VmRSS``) in MB (MiB); None off Linux."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024.0
     except OSError:
         pass
+    return None
+
+
+def peak_rss_mb() -> float | None:
+    """Peak resident set size of this process (VmHWM), MB (MiB)."""
+    peak = _proc_status_mb("VmHWM")
+    if peak is not None:
+        return peak
     try:  # non-Linux fallback
         import resource
 
@@ -49,14 +57,7 @@ def peak_rss_mb() -> float | None:
 
 
 def current_rss_mb() -> float | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return None
+    return _proc_status_mb("VmRSS")
 
 
 def apply_mode(module: Any, mode: str, pipeline: str = "default") -> tuple[Any, Any]:

@@ -19,7 +19,7 @@ class Sequence:
 
 @dataclass(frozen=True)
 class EvalExample:
-    """Predict ``target`` after ``history``; ``seen`` are the items filtered from the ranking."""
+    """Predict ``target`` after ``history`` (whose items are filtered from the ranking)."""
 
     history: Sequence
     target: int

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from .layout import Pair, Token
-from .op_semantics import arg, canonical, example, shape_of
+from .op_semantics import arg, canonical, evaluate, example, shape_of
 
 MASKED_LOGIT = -1.0e4  # a softmax logit at or below this is treated as masked (exp underflows in fp32)
 
@@ -116,18 +116,19 @@ def abstract_eval(gm: fx.GraphModule, inputs: list[Any]) -> Any:
             continue
         if node.op == "output":
             return env[node.args[0]]
-        args = fx.node.map_arg(node.args, env.__getitem__)
-        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-        values = list(args) + list(kwargs.values())
-        if not any(isinstance(v, _Any) for v in values):
-            env[node] = node.target(*args, **kwargs) if node.op == "call_function" else \
-                getattr(args[0], node.target)(*args[1:], **kwargs)
-            continue
-        env[node] = _apply(node, args, kwargs, env)
+        env[node] = _eval_abstract(node, fx.node.map_arg(node.args, env.__getitem__),
+                                   fx.node.map_arg(node.kwargs, env.__getitem__))
     raise AssertionError("graph without output")
 
 
-def _apply(node: fx.Node, args: list, kwargs: dict, env: dict) -> Any:
+def _eval_abstract(node: fx.Node, args: Any, kwargs: Any) -> Any:
+    """``node`` on evaluated arguments: concretely when none is ``ANY``, else by ``_apply``."""
+    if not any(isinstance(v, _Any) for v in list(args) + list(kwargs.values())):
+        return evaluate(node, args, kwargs)
+    return _apply(node, list(args), dict(kwargs))
+
+
+def _apply(node: fx.Node, args: list, kwargs: dict) -> Any:
     """One op of the abstract evaluation, with at least one ``ANY`` among its inputs."""
     op = canonical(node)
     zero = lambda v: _all(v, lambda t: t == 0)  # noqa: E731
@@ -146,8 +147,7 @@ def _apply(node: fx.Node, args: list, kwargs: dict, env: dict) -> Any:
         elif _all(cond, lambda t: ~t.bool()):
             result = args[2]
     elif op == "masked_fill" and args[1] is not ANY:
-        fill = arg(node, 2, "value")
-        fill = env.get(fill, fill) if isinstance(fill, fx.Node) else fill
+        fill = args[2] if len(args) > 2 else kwargs.get("value")
         if _all(args[1], lambda t: t.bool()) and fill is not ANY:
             result = torch.as_tensor(fill)
         elif _all(args[1], lambda t: ~t.bool()):
@@ -160,8 +160,7 @@ def _apply(node: fx.Node, args: list, kwargs: dict, env: dict) -> Any:
     elif op == "add" and len(args) >= 2 and args[1] is ANY and args[0] is not ANY and \
             _all(args[0], lambda t: t <= MASKED_LOGIT):
         result = MASKED
-    elif op == "unary" and node.target in ("float", "to", "type_as", "long", "int", "bool", "contiguous",
-                                            "clone") and args[0] is not ANY:
+    elif op == "unary" and node.target in _CASTS and args[0] is not ANY:
         result = args[0]
     return result
 
@@ -200,12 +199,7 @@ def side_value(node: Any, valid: torch.Tensor, validity: set, padding: set, dept
         return base.to(dtype)
     if op in _POINTWISE:
         lookup = lambda a: side_value(a, valid, validity, padding, depth - 1)  # noqa: E731
-        args = list(fx.node.map_arg(node.args, lookup))
-        kwargs = dict(fx.node.map_arg(node.kwargs, lookup))
-        if not any(isinstance(v, _Any) for v in args + list(kwargs.values())):
-            return node.target(*args, **kwargs) if node.op == "call_function" else \
-                getattr(args[0], node.target)(*args[1:], **kwargs)
-        return _apply(node, args, kwargs, {})
+        return _eval_abstract(node, fx.node.map_arg(node.args, lookup), fx.node.map_arg(node.kwargs, lookup))
     return ANY
 
 
@@ -274,6 +268,8 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
                     raise Unsupported(f"bias table {a.name} has shape {shape_of(a)}; only 1-D tables are fused", n)
                 if a not in tables:
                     tables.append(a)
+    # placeholders read (score, q_pos, k_pos, *q_sides, *k_sides, *tables): the op's argument order
+    sides.sort(key=lambda side: side[1] != "q")
     side_ph = {}
     for leaf, role in sides:
         if _is_arange(leaf, N):

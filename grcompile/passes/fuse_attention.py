@@ -108,8 +108,6 @@ class FuseAttention(GraphPass):
             valid = info.validity[0] if info.validity else g.call_function(torch.logical_not, (info.padding[0],))
             q_sides = [_side_dense(g, s.node, layouts[s.node], B, N) for s in cap.sides if s.role == "q"]
             k_sides = [_side_dense(g, s.node, layouts[s.node], B, N) for s in cap.sides if s.role == "k"]
-            # the score_mod takes q sides then k sides: reorder its placeholders to match
-            _order_side_placeholders(cap)
             out = g.call_function(torch.ops.grcompile.score_mod_attention.default,
                                   (q, k, vv, valid, q_sides, k_sides, list(cap.tables)),
                                   {"score_mod": key, "normalize": cap.normalize, "causal": causal})
@@ -119,19 +117,6 @@ class FuseAttention(GraphPass):
         node.replace_all_uses_with(out)
         g.erase_node(node)
         return key
-
-
-def _order_side_placeholders(cap) -> None:
-    """Placeholders must read (score, q_pos, k_pos, *q_sides, *k_sides, *tables)."""
-    phs = [n for n in cap.score_mod.graph.nodes if n.op == "placeholder"]
-    fixed, sides, tables = phs[:3], phs[3:3 + len(cap.sides)], phs[3 + len(cap.sides):]
-    q_first = [p for p, s in zip(sides, cap.sides) if s.role == "q"] + \
-              [p for p, s in zip(sides, cap.sides) if s.role == "k"]
-    cap.sides = [s for s in cap.sides if s.role == "q"] + [s for s in cap.sides if s.role == "k"]
-    anchor = tables[0] if tables else next(n for n in cap.score_mod.graph.nodes if n.op != "placeholder")
-    for p in q_first:
-        anchor.prepend(p)
-    cap.score_mod.recompile()
 
 
 def _from_bnhd(g: fx.Graph, out: fx.Node, node: fx.Node, layout: Token) -> fx.Node:

@@ -23,7 +23,7 @@ import torch.fx as fx
 from ..capture.pass_manager import GraphPass, PassContext
 from ..lowering import pack as _pack  # noqa: F401 (registers grcompile::pack_index)
 from ..lowering import attention as _attention  # noqa: F401 (registers grcompile::jagged_attention)
-from ..lowering.jagged import valid_to_offsets
+from ..lowering.jagged import jagged_to_dense, valid_to_offsets
 from .attention_capture import Unsupported, side_value, _Any
 from .detect_padding import analyse
 from .layout import Token, TupleOf
@@ -42,11 +42,6 @@ def _token_axes(layout: Token) -> list[int]:
 
 def _features(layout: Token) -> list[int]:
     return [a for a in range(layout.ndim) if a not in (layout.batch, layout.seq)]
-
-
-def _unpack(values: torch.Tensor, index: torch.Tensor, B: int, N: int) -> torch.Tensor:
-    out = values.new_zeros(B * N, *values.shape[1:]).index_put((index,), values)
-    return out.reshape(B, N, *values.shape[1:])
 
 
 class JaggedRewrite(GraphPass):
@@ -166,7 +161,7 @@ class _Rewriter:
             layout = self.layouts[n]
             shape = shape_of(n)
             with g.inserting_after(self.jagged[n]):
-                dense = g.call_function(_unpack, (self.jagged[n], self.index, self.B, self.N))
+                dense = g.call_function(jagged_to_dense, (self.jagged[n], self.index, self.B, self.N))
                 order = _token_axes(layout) + _features(layout)
                 if order != list(range(len(order))):
                     inverse = [order.index(a) for a in range(len(order))]
@@ -293,8 +288,6 @@ class _Rewriter:
             else:
                 kwargs[name] = d
             return call((J(x), *args[1:]), kwargs)
-        if op == "dropout":
-            return call((J(x), *n.args[1:]), dict(n.kwargs))
         if op in ("reshape", "expand"):
             out_layout = self.layouts[n]
             shape = shape_of(n)

@@ -126,6 +126,15 @@ def shape_of(value: Any) -> tuple[int, ...] | None:
     return None
 
 
+def evaluate(node: fx.Node, args: Any, kwargs: Any) -> Any:
+    """Run ``node``'s operation on already-evaluated arguments (None for non-call nodes)."""
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    return None
+
+
 def refresh_example_values(gm: fx.GraphModule) -> None:
     """Give nodes that earlier passes inserted an ``example_value`` (fake tensors computed from
     their inputs' example values), so layout analysis can run on a rewritten graph."""
@@ -140,13 +149,6 @@ def refresh_example_values(gm: fx.GraphModule) -> None:
             if known is not None or n.op in ("placeholder", "output", "get_attr"):
                 env[n] = known
                 continue
-            args = fx.node.map_arg(n.args, env.get)
-            kwargs = fx.node.map_arg(n.kwargs, env.get)
-            if n.op == "call_function":
-                value = n.target(*args, **kwargs)
-            elif n.op == "call_method":
-                value = getattr(args[0], n.target)(*args[1:], **kwargs)
-            else:
-                value = None
+            value = evaluate(n, fx.node.map_arg(n.args, env.get), fx.node.map_arg(n.kwargs, env.get))
             n.meta["example_value"] = value
             env[n] = value
