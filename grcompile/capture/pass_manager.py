@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
-__all__ = ["GraphPass", "PassContext", "PassResult", "node_site", "pass_name", "run_pipeline"]
+__all__ = ["GraphPass", "PassContext", "PassResult", "copy_graph", "node_site", "pass_name", "run_pipeline"]
 
 
 class GraphPass:
@@ -114,6 +114,21 @@ class PassResult:
 OnPass = Callable[[fx.GraphModule, PassResult], None]
 
 
+# Attributes Dynamo sets on nodes outside ``meta`` (AOTAutograd reads them); a graph deepcopy drops them.
+_NODE_ATTRIBUTES = ("_dynamo_source",)
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` to restore on failure: node copies whose meta (fake tensors) is shared,
+    not copied, and which keep Dynamo's node attributes."""
+    saved = copy.deepcopy(graph)
+    for old, new in zip(graph.nodes, saved.nodes):
+        for attr in _NODE_ATTRIBUTES:
+            if hasattr(old, attr):
+                setattr(new, attr, getattr(old, attr))
+    return saved
+
+
 def run_pipeline(gm: fx.GraphModule, passes: Sequence[GraphPass], ctx: PassContext,
                  on_pass: OnPass | None = None) -> fx.GraphModule:
     """Run ``passes`` in order over ``gm`` (in place); lint + recompile after each one.
@@ -124,7 +139,7 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[GraphPass], ctx: PassConte
     for i, graph_pass in enumerate(passes, start=1):
         name = pass_name(graph_pass)
         ctx.pass_name = name
-        saved_graph = copy.deepcopy(gm.graph)  # node copies; meta (fake tensors) shared, not copied
+        saved_graph = copy_graph(gm.graph)
         saved_modules = (dict(gm._modules), dict(gm._parameters), dict(gm._buffers))
         saved_attrs = set(vars(gm))
         n_rewrites, saved_counters = len(ctx.rewrites), Counter(ctx.counters)

@@ -14,13 +14,12 @@ report names the consumer.
 """
 from __future__ import annotations
 
-import copy
 import operator
 
 import torch
 import torch.fx as fx
 
-from ..capture.pass_manager import GraphPass, PassContext
+from ..capture.pass_manager import GraphPass, PassContext, copy_graph
 from ..lowering import pack as _pack  # noqa: F401 (registers grcompile::pack_index)
 from ..lowering import attention as _attention  # noqa: F401 (registers grcompile::jagged_attention)
 from ..lowering.jagged import jagged_to_dense, valid_to_offsets
@@ -51,7 +50,7 @@ class JaggedRewrite(GraphPass):
         info = analyse(gm)  # fresh layouts: earlier passes added nodes
         if info is None:
             return
-        saved = copy.deepcopy(gm.graph)
+        saved = copy_graph(gm.graph)
         try:
             converted = _Rewriter(gm, info).run()
             if converted:

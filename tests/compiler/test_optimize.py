@@ -228,6 +228,23 @@ def test_raising_pass_falls_back(tmp_path) -> None:
     assert "FELL BACK" in (tmp_path / "graph_0" / "01-break_then_raise.py").read_text()
 
 
+def test_raising_pass_falls_back_under_inductor() -> None:
+    """The restored graph keeps Dynamo's node attributes (AOTAutograd needs ``_dynamo_source``)."""
+    optimized = check_outputs_and_grads("hstu", passes=[BreakThenRaise()])
+    assert len(grcompile.report(optimized).fallbacks) == 1
+
+
+def test_default_pipeline_fallback_trains_under_inductor() -> None:
+    """SASRec with attention dropout: the passes fall back (reported) and the graph still lowers."""
+    task = SampledSoftmaxRetrieval(make_encoder("sasrec", dropout=0.3), temperature=0.05).train()
+    optimized = grcompile.optimize(task)
+    ids, ts = make_batch()
+    negatives = torch.randint(1, NUM_ITEMS + 1, (B, N, 3), generator=torch.Generator().manual_seed(2))
+    optimized(ids, ts, negatives).backward()
+    assert all(p.grad is not None for p in task.parameters() if p.requires_grad)
+    assert grcompile.report(optimized).fallbacks
+
+
 # --- (6) misuse --------------------------------------------------------------------------------
 
 def test_report_on_plain_module_raises() -> None:

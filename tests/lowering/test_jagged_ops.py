@@ -65,6 +65,7 @@ PLANS = [
     {"BUCKET_WASTE": 1.0, "BUCKET_SLACK_PAIRS": 0},  # everything in one bucket
     {"CHUNK_ELEMENTS": 1, "MIN_Q_BLOCK": 1},  # one row per chunk, one query per block
     {"CHUNK_ELEMENTS": 50, "MIN_Q_BLOCK": 3, "BUCKET_SLACK_PAIRS": 0},
+    {"COMPILE_CHUNKS": False},  # the plain eager chunk instead of the inductor-compiled one
 ]
 
 
