@@ -3,8 +3,9 @@ pointwise activation (SiLU, identity) or a softmax and a registered score_mod bi
 
     jagged_attention(q [T, H, dqk], k [T, H, dqk], v [T, H, dv], offsets [B+1] int64,
                      positions [T] int64, q_side: list[[T]], k_side: list[[T]], tables: list,
-                     *, score_mod: str, use_qk: bool, activation: str, scale: float,
-                     out_scale: float, causal: bool, max_len: int) -> [T, H, dv]
+                     seed: int64 [1] | None, *, score_mod: str, use_qk: bool, activation: str,
+                     scale: float, out_scale: float, causal: bool, max_len: int,
+                     dropout_p: float = 0.0) -> [T, H, dv]
 
 Per row ``b`` (tokens ``offsets[b]:offsets[b+1]``) and head, with ``mod`` the registered score_mod
 (``""``: none):
@@ -13,7 +14,12 @@ Per row ``b`` (tokens ``offsets[b]:offsets[b+1]``) and head, with ``mod`` the re
     allowed  = positions[j] <= positions[i] if causal else True
     silu / identity:  A(i, j) = act(s)·out_scale where allowed, else exactly 0
     softmax:          A(i, ·) = softmax over allowed j of s, times out_scale (no allowed key: 0)
+    dropout:          A(i, j) ← A(i, j)·keep(i, j)/(1 − dropout_p)   (training only)
     out_i    = Σ_j A(i, j) v_j
+
+``keep`` is ``dropout_keep(seed, ...)``: a counter-based hash of (seed, query token, head, key token),
+so the forward and the recomputing backward draw the same mask without storing it, whatever the
+bucketing; the graph draws a fresh ``seed`` per step from the default generator.
 
 which equals, at valid positions, the padded models' ``act(q kᵀ + rab)/N * causal_padding_mask``
 (HSTU, FuXi-α's three channels) and SASRec's masked softmax. ``positions`` are padded-row
@@ -106,6 +112,18 @@ def _check_meta(q, k, v, offsets, positions, q_side, k_side, tables, score_mod, 
         _fail(f"max_len must be >= 1, got {max_len}")
     if score_mod:
         get_score_mod(score_mod)  # raises a KeyError naming the key
+
+
+def _check_dropout(seed: Optional[torch.Tensor], dropout_p: float, device: torch.device) -> None:
+    if not 0.0 <= dropout_p < 1.0:
+        _fail(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0 and seed is None:
+        _fail("dropout_p > 0 needs a seed (an int64 tensor of one element)")
+    if seed is not None:
+        if seed.dtype != torch.int64 or seed.numel() != 1:
+            _fail(f"seed must be an int64 tensor of one element, got {seed.dtype} {tuple(seed.shape)}")
+        if seed.device != device:
+            _fail(f"seed is on {seed.device} but q is on {device}")
 
 
 def _check_values(offsets: torch.Tensor, positions: torch.Tensor, T: int, max_len: int) -> list[int]:
@@ -204,10 +222,43 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _chunk_attention(qb, kb, vb, q_pos, k_pos, k_valid, q_sides, k_sides, tables, *, mod, use_qk,
-                     activation, scale, out_scale, causal):
-    """qb [n, H, Lq, dqk], kb [n, H, Lk, dqk], vb [n, H, Lk, dv]; q_pos/q_sides [n, Lq];
-    k_pos/k_sides/k_valid [n, Lk] -> [n, H, Lq, dv] (padded query slots hold garbage)."""
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x · c mod 2³²`` for int64 ``x`` in ``[0, 2³²)`` without int64 overflow (c split in 16-bit halves)."""
+    return (x * (c & 0xFFFF) + ((x * (c >> 16)) & 0xFFFF) * 65536) & _M32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (lowbias32): avalanche of every input bit, on int64 in ``[0, 2³²)``."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def dropout_keep(seed: torch.Tensor, q_tok: torch.Tensor, k_tok: torch.Tensor, heads: int,
+                 p: float | torch.Tensor) -> torch.Tensor:
+    """The attention-dropout mask: ``keep[.., h, i, j]`` for query tokens ``q_tok [n, Lq]`` and key
+    tokens ``k_tok [n, Lk]`` (indices into the jagged values) -> bool ``[n, H, Lq, Lk]``.
+
+    A counter-based hash of (seed, query token, head, key token): the same pair gets the same
+    decision wherever it is computed (forward, recomputing backward, any bucketing or chunking),
+    and nothing is stored. ``P(keep) = 1 − p`` up to 2⁻²⁴."""
+    h = torch.arange(heads, dtype=torch.int64, device=q_tok.device)[None, :, None, None]
+    row = _hash32((seed.reshape(()) ^ (q_tok[:, None, :, None] * heads + h)) & _M32)
+    u = _hash32(row ^ (k_tok[:, None, None, :] & _M32)) >> 8  # 24 bits
+    return u >= (p * (1 << 24)).round().long() if isinstance(p, torch.Tensor) else u >= round(p * (1 << 24))
+
+
+def _chunk_attention(qb, kb, vb, q_pos, k_pos, k_valid, q_sides, k_sides, tables, q_tok, k_tok, seed, dropout_p,
+                     *, mod, use_qk, activation, scale, out_scale, causal, dropout):
+    """qb [n, H, Lq, dqk], kb [n, H, Lk, dqk], vb [n, H, Lk, dv]; q_pos/q_sides/q_tok [n, Lq];
+    k_pos/k_sides/k_valid/k_tok [n, Lk] -> [n, H, Lq, dv] (padded query slots hold garbage).
+    ``q_tok``/``k_tok``/``seed``/``dropout_p`` (a 0-d tensor, so that compiled kernels do not
+    specialise on it) feed the dropout mask, used when ``dropout``."""
     dtype = vb.dtype
     if use_qk:
         s = torch.matmul(qb, kb.transpose(-2, -1))
@@ -231,6 +282,9 @@ def _chunk_attention(qb, kb, vb, q_pos, k_pos, k_valid, q_sides, k_sides, tables
     else:
         a = torch.nn.functional.silu(s) if activation == "silu" else s
         a = torch.where(allowed, a, 0.0)
+    if dropout:
+        keep = dropout_keep(seed, q_tok, k_tok, vb.shape[1], dropout_p)
+        a = torch.where(keep, a / (1.0 - dropout_p), 0.0)
     if out_scale != 1.0:
         a = a * out_scale
     target = (vb.shape[0], vb.shape[1], q_pos.shape[1], k_pos.shape[1])
@@ -244,18 +298,20 @@ COMPILE_CHUNKS = os.environ.get("GRCOMPILE_COMPILE_CHUNKS", "1") != "0"
 
 
 def _chunk_kernel(mod, *, dtype: torch.dtype, use_qk: bool, activation: str, scale: float, out_scale: float,
-                  causal: bool) -> Callable:
+                  causal: bool, dropout: bool) -> Callable:
     """``_chunk_attention`` with its options bound, compiled by inductor once per option set
     (dynamic shapes): the score_mod, mask and activation become one fused loop instead of a
     dozen eager passes over ``[n, H, Lq, Lk]`` (2x on the HSTU backward at ML-1M size).
 
     Each option set gets its own copy of the code object, so Dynamo's per-code cache (and its
-    recompile limit, 8: enough for the 0/1-size specialisations) is not shared by unrelated score_mods. ``GRCOMPILE_COMPILE_CHUNKS=0`` (or
-    ``COMPILE_CHUNKS = False``) runs the plain eager chunk instead."""
-    options = dict(mod=mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal)
+    recompile limit, 8: enough for the 0/1-size specialisations) is not shared by unrelated
+    score_mods. ``GRCOMPILE_COMPILE_CHUNKS=0`` (or ``COMPILE_CHUNKS = False``) runs the plain eager
+    chunk instead."""
+    options = dict(mod=mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
+                   dropout=dropout)
     if not COMPILE_CHUNKS:
         return functools.partial(_chunk_attention, **options)
-    key = (mod.key if mod is not None else "", dtype, use_qk, activation, scale, out_scale, causal)
+    key = (mod.key if mod is not None else "", dtype, use_qk, activation, scale, out_scale, causal, dropout)
     fn = _COMPILED_CHUNKS.get(key)
     if fn is None:
         code = _chunk_attention.__code__
@@ -274,20 +330,23 @@ def _gather_heads(x: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> t
 # reference forward / backward
 
 
-def _attention_reference(q, k, v, offsets, positions, q_side, k_side, tables, *, score_mod, use_qk,
-                         activation, scale, out_scale, causal, max_len):
+def _attention_reference(q, k, v, offsets, positions, q_side, k_side, tables, seed=None, *, score_mod, use_qk,
+                         activation, scale, out_scale, causal, max_len, dropout_p=0.0):
     _check_meta(q, k, v, offsets, positions, q_side, k_side, tables, score_mod, activation, max_len)
+    _check_dropout(seed, dropout_p, q.device)
     T, H, dv = q.shape[0], q.shape[1], v.shape[2]
     offs = _check_values(offsets, positions, T, max_len)
     out = torch.zeros(T, H, dv, dtype=q.dtype, device=q.device)
     mod = get_score_mod(score_mod) if score_mod else None
     cdtype = _compute_dtype(q.dtype)
     kernel = _chunk_kernel(mod, dtype=cdtype, use_qk=use_qk, activation=activation, scale=scale,
-                           out_scale=out_scale, causal=causal)
+                           out_scale=out_scale, causal=causal, dropout=dropout_p > 0)
+    p_tensor = torch.tensor(dropout_p, dtype=torch.float64)
     with torch.no_grad():
         for qi, qv, ki, kv in _chunks(offs, H, causal, q.device):
             o = kernel(_gather_heads(q, qi, cdtype), _gather_heads(k, ki, cdtype), _gather_heads(v, ki, cdtype),
-                       positions[qi], positions[ki], kv, [t[qi] for t in q_side], [t[ki] for t in k_side], tables)
+                       positions[qi], positions[ki], kv, [t[qi] for t in q_side], [t[ki] for t in k_side], tables,
+                       qi, ki, seed, p_tensor)
             out.index_copy_(0, qi[qv], o.transpose(1, 2)[qv].to(q.dtype))
     return out
 
@@ -311,8 +370,8 @@ def _grad_placeholder(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.float32, device=t.device)
 
 
-def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, *,
-                                  score_mod, use_qk, activation, scale, out_scale, causal, max_len):
+def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed=None, *,
+                                  score_mod, use_qk, activation, scale, out_scale, causal, max_len, dropout_p=0.0):
     H = q.shape[1]
     offs = offsets.tolist()
     mod = get_score_mod(score_mod) if score_mod else None
@@ -323,7 +382,8 @@ def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side,
     table_leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tables]
     d_tables = [torch.zeros_like(t) if t.is_floating_point() else _grad_placeholder(t) for t in tables]
     kernel = _chunk_kernel(mod, dtype=cdtype, use_qk=use_qk, activation=activation, scale=scale,
-                           out_scale=out_scale, causal=causal)
+                           out_scale=out_scale, causal=causal, dropout=dropout_p > 0)
+    p_tensor = torch.tensor(dropout_p, dtype=torch.float64)
     for qi, qv, ki, kv in _chunks(offs, H, causal, q.device):
         with _autograd_reenabled():
             qb = _gather_heads(q, qi, cdtype).detach().requires_grad_(use_qk)
@@ -331,7 +391,7 @@ def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side,
             vb = _gather_heads(v, ki, cdtype).detach().requires_grad_()
             qs = [t[qi].detach().requires_grad_(t.is_floating_point()) for t in q_side]
             ks = [t[ki].detach().requires_grad_(t.is_floating_point()) for t in k_side]
-            o = kernel(qb, kb, vb, positions[qi], positions[ki], kv, qs, ks, table_leaves)
+            o = kernel(qb, kb, vb, positions[qi], positions[ki], kv, qs, ks, table_leaves, qi, ki, seed, p_tensor)
             go = torch.where(qv[:, :, None, None], grad_out[qi].to(cdtype), 0.0).transpose(1, 2)
             leaves = [x for x in [qb, kb, vb, *qs, *ks, *table_leaves] if x.requires_grad]
             grads = iter(torch.autograd.grad(o, leaves, go, allow_unused=True))
@@ -373,19 +433,22 @@ register_op("jagged_attention_backward", reference=_attention_backward_reference
 @torch.library.custom_op("grcompile::jagged_attention", mutates_args=())
 def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                      positions: torch.Tensor, q_side: list[torch.Tensor], k_side: list[torch.Tensor],
-                     tables: list[torch.Tensor], *, score_mod: str, use_qk: bool, activation: str,
-                     scale: float, out_scale: float, causal: bool, max_len: int) -> torch.Tensor:
-    """See the module docstring."""
+                     tables: list[torch.Tensor], seed: Optional[torch.Tensor], *, score_mod: str,
+                     use_qk: bool, activation: str, scale: float, out_scale: float, causal: bool, max_len: int,
+                     dropout_p: float = 0.0) -> torch.Tensor:
+    """See the module docstring. ``seed`` is required (``None`` without dropout): an argument left
+    to its default would change the structure autograd expects back from the backward."""
     impl = lookup("jagged_attention", q.device.type)
-    return impl(q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), score_mod=score_mod,
+    return impl(q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), seed, score_mod=score_mod,
                 use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
-                max_len=max_len)
+                max_len=max_len, dropout_p=dropout_p)
 
 
 @jagged_attention.register_fake
-def _(q, k, v, offsets, positions, q_side, k_side, tables, *, score_mod, use_qk, activation, scale, out_scale,
-      causal, max_len):
+def _(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score_mod, use_qk, activation, scale,
+      out_scale, causal, max_len, dropout_p=0.0):
     _check_meta(q, k, v, offsets, positions, q_side, k_side, tables, score_mod, activation, max_len)
+    _check_dropout(seed, dropout_p, q.device)
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
@@ -393,48 +456,51 @@ def _(q, k, v, offsets, positions, q_side, k_side, tables, *, score_mod, use_qk,
 def jagged_attention_backward(
         grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
         positions: torch.Tensor, q_side: list[torch.Tensor], k_side: list[torch.Tensor],
-        tables: list[torch.Tensor], *, score_mod: str, use_qk: bool, activation: str, scale: float,
-        out_scale: float, causal: bool, max_len: int,
+        tables: list[torch.Tensor], seed: Optional[torch.Tensor] = None, *, score_mod: str, use_qk: bool,
+        activation: str, scale: float, out_scale: float, causal: bool, max_len: int, dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """Gradients of ``jagged_attention`` by recomputation; integer side tensors / tables get an
-    empty float placeholder (the autograd wrapper turns it into ``None``)."""
+    """Gradients of ``jagged_attention`` by recomputation (the dropout mask is recomputed from
+    ``seed``); integer side tensors / tables get an empty float placeholder (the autograd wrapper
+    turns it into ``None``)."""
     impl = lookup("jagged_attention_backward", q.device.type)
-    return impl(grad_out, q, k, v, offsets, positions, list(q_side), list(k_side), list(tables),
+    return impl(grad_out, q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), seed,
                 score_mod=score_mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale,
-                causal=causal, max_len=max_len)
+                causal=causal, max_len=max_len, dropout_p=dropout_p)
 
 
 @jagged_attention_backward.register_fake
-def _(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, *, score_mod, use_qk, activation, scale,
-      out_scale, causal, max_len):
+def _(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed=None, *, score_mod, use_qk, activation,
+      scale, out_scale, causal, max_len, dropout_p=0.0):
     def like(ts):
         return [torch.empty_like(t) if t.is_floating_point() else _grad_placeholder(t) for t in ts]
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), like(q_side), like(k_side), like(tables)
 
 
-_KWARGS = ("score_mod", "use_qk", "activation", "scale", "out_scale", "causal", "max_len")
+_KWARGS = ("score_mod", "use_qk", "activation", "scale", "out_scale", "causal", "max_len", "dropout_p")
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
-    q, k, v, offsets, positions, q_side, k_side, tables = inputs
+    q, k, v, offsets, positions, q_side, k_side, tables, seed = inputs
     ctx.n_q_side, ctx.n_k_side = len(q_side), len(k_side)
-    ctx.save_for_backward(q, k, v, offsets, positions, *q_side, *k_side, *tables)
+    ctx.has_seed = seed is not None
+    ctx.save_for_backward(q, k, v, offsets, positions, *q_side, *k_side, *tables, *([seed] if ctx.has_seed else []))
     ctx.kwargs = {name: keyword_only_inputs[name] for name in _KWARGS}
     ctx.floating = [t.is_floating_point() for t in (*q_side, *k_side, *tables)]
 
 
 def _backward(ctx, grad_out):
     q, k, v, offsets, positions, *rest = ctx.saved_tensors
+    seed = rest.pop() if ctx.has_seed else None
     q_side, k_side = rest[:ctx.n_q_side], rest[ctx.n_q_side:ctx.n_q_side + ctx.n_k_side]
     tables = rest[ctx.n_q_side + ctx.n_k_side:]
     dq, dk, dv, d_qs, d_ks, d_tables = torch.ops.grcompile.jagged_attention_backward(
-        grad_out.contiguous(), q, k, v, offsets, positions, list(q_side), list(k_side), list(tables),
+        grad_out.contiguous(), q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), seed,
         **ctx.kwargs)
     flags = iter(ctx.floating)
     d_qs = [g if next(flags) else None for g in d_qs]
     d_ks = [g if next(flags) else None for g in d_ks]
     d_tables = [g if next(flags) else None for g in d_tables]
-    return dq, dk, dv, None, None, d_qs, d_ks, d_tables
+    return dq, dk, dv, None, None, d_qs, d_ks, d_tables, None
 
 
 jagged_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -446,10 +512,12 @@ jagged_attention.register_autograd(_backward, setup_context=_setup_context)
 
 def hstu_attention(q, k, v, offsets, positions, *, N: int, query_timestamps=None, timestamps=None,
                    position_table=None, time_table=None, table_max_len: Optional[int] = None,
-                   num_buckets: int = 128, causal: bool = True) -> torch.Tensor:
+                   num_buckets: int = 128, causal: bool = True, dropout_p: float = 0.0,
+                   seed: Optional[torch.Tensor] = None) -> torch.Tensor:
     """HSTU: ``silu(q·kᵀ + rab) / N`` under the causal mask, ``rab`` = relative position table
     (``[2·table_max_len − 1]``) + log time-bucket table (``[num_buckets + 1]``, query side
-    ``query_timestamps`` = the next valid timestamp, key side ``timestamps``), either optional."""
+    ``query_timestamps`` = the next valid timestamp, key side ``timestamps``), either optional;
+    ``dropout_p`` > 0 drops attention weights with the mask hashed from ``seed``."""
     table_max_len = N if table_max_len is None else table_max_len
     tables, q_side, k_side = [], [], []
     if time_table is not None:
@@ -463,8 +531,8 @@ def hstu_attention(q, k, v, offsets, positions, *, N: int, query_timestamps=None
     else:
         key = ""
     return torch.ops.grcompile.jagged_attention(
-        q, k, v, offsets, positions, q_side, k_side, tables, score_mod=key, use_qk=True, activation="silu",
-        scale=1.0, out_scale=1.0 / N, causal=causal, max_len=N)
+        q, k, v, offsets, positions, q_side, k_side, tables, seed, score_mod=key, use_qk=True, activation="silu",
+        scale=1.0, out_scale=1.0 / N, causal=causal, max_len=N, dropout_p=dropout_p)
 
 
 def fuxi_attention(q, k, v, offsets, positions, *, N: int, query_timestamps, timestamps, position_table,
@@ -475,26 +543,29 @@ def fuxi_attention(q, k, v, offsets, positions, *, N: int, query_timestamps, tim
     table_max_len = N if table_max_len is None else table_max_len
     common = dict(causal=causal, max_len=N)
     positional = torch.ops.grcompile.jagged_attention(
-        q, k, v, offsets, positions, [], [], [position_table], score_mod=relative_position_bias_key(table_max_len),
+        q, k, v, offsets, positions, [], [], [position_table], None,
+        score_mod=relative_position_bias_key(table_max_len),
         use_qk=False, activation="identity", scale=1.0, out_scale=1.0, **common)
     temporal = torch.ops.grcompile.jagged_attention(
-        q, k, v, offsets, positions, [query_timestamps], [timestamps], [time_table],
+        q, k, v, offsets, positions, [query_timestamps], [timestamps], [time_table], None,
         score_mod=relative_time_bias_key(num_buckets), use_qk=False, activation="identity", scale=1.0,
         out_scale=1.0, **common)
     semantic = torch.ops.grcompile.jagged_attention(
-        q, k, v, offsets, positions, [], [], [], score_mod="", use_qk=True, activation="silu", scale=1.0,
+        q, k, v, offsets, positions, [], [], [], None, score_mod="", use_qk=True, activation="silu", scale=1.0,
         out_scale=1.0 / N, **common)
     return torch.cat([positional, temporal, semantic], dim=-1)
 
 
 def jagged_softmax_attention(q, k, v, offsets, positions, *, N: int, scale: Optional[float] = None,
-                             causal: bool = True) -> torch.Tensor:
-    """SASRec: ``softmax(q·kᵀ · scale)`` over the allowed keys, ``scale`` = 1/sqrt(dqk) by default."""
+                             causal: bool = True, dropout_p: float = 0.0,
+                             seed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SASRec: ``softmax(q·kᵀ · scale)`` over the allowed keys, ``scale`` = 1/sqrt(dqk) by default;
+    ``dropout_p`` > 0 drops attention weights after the softmax (mask hashed from ``seed``)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return torch.ops.grcompile.jagged_attention(
-        q, k, v, offsets, positions, [], [], [], score_mod="", use_qk=True, activation="softmax", scale=scale,
-        out_scale=1.0, causal=causal, max_len=N)
+        q, k, v, offsets, positions, [], [], [], seed, score_mod="", use_qk=True, activation="softmax",
+        scale=scale, out_scale=1.0, causal=causal, max_len=N, dropout_p=dropout_p)
 
 
 __all__ = ["jagged_attention", "jagged_attention_backward", "hstu_attention", "fuxi_attention",
-           "jagged_softmax_attention", "plan_buckets", "ACTIVATIONS"]
+           "jagged_softmax_attention", "plan_buckets", "dropout_keep", "ACTIVATIONS"]

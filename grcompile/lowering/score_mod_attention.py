@@ -8,6 +8,7 @@ the captured score_mod (``kind="score"``), and scatters the result back (zeros a
     out[b, i] = Σ_j A(b, i, j) · v[b, j]   over the valid keys j of row b (j ≤ i when ``causal``)
     A = score_mod(q_i·k_j, pos_i, pos_j, *q_sides, *k_sides, *tables)    normalize="none"
     A = softmax_j(score_mod(...))                                       normalize="softmax"
+    A ← A · keep / (1 − dropout_p)     (attention dropout; keep hashed from ``seed``, see jagged_attention)
 
 Backward is its own op (recomputation inside the jagged kernel), so AOTAutograd never traces the
 data-dependent packing. Once the jagged rewrite keeps whole blocks packed, it calls
@@ -55,25 +56,28 @@ def _packed(q, k, v, valid, q_sides, k_sides):
             [dense_to_jagged(s, index) for s in q_sides], [dense_to_jagged(s, index) for s in k_sides])
 
 
-def _kwargs(q, valid, score_mod, normalize, causal):
+def _kwargs(q, valid, score_mod, normalize, causal, dropout_p):
     return dict(score_mod=score_mod, use_qk=q is not None, activation=_ACTIVATION[normalize], scale=1.0,
-                out_scale=1.0, causal=causal, max_len=valid.shape[1])
+                out_scale=1.0, causal=causal, max_len=valid.shape[1], dropout_p=dropout_p)
 
 
 @torch.library.custom_op("grcompile::score_mod_attention", mutates_args=())
 def score_mod_attention(q: Optional[torch.Tensor], k: Optional[torch.Tensor], v: torch.Tensor, valid: torch.Tensor,
                         q_sides: list[torch.Tensor], k_sides: list[torch.Tensor], tables: list[torch.Tensor],
-                        score_mod: str, normalize: str, causal: bool) -> torch.Tensor:
+                        seed: Optional[torch.Tensor], score_mod: str, normalize: str, causal: bool,
+                        dropout_p: float) -> torch.Tensor:
+    """Every argument is required: one left to its default would change the structure autograd
+    expects back from the backward."""
     _check(q, k, v, valid, q_sides, k_sides, normalize)
     index, qj, kj, vj, offsets, positions, qs, ks = _packed(q, k, v, valid, q_sides, k_sides)
-    out = lookup("jagged_attention", v.device.type)(qj, kj, vj, offsets, positions, qs, ks, list(tables),
-                                                    **_kwargs(q, valid, score_mod, normalize, causal))
+    out = lookup("jagged_attention", v.device.type)(qj, kj, vj, offsets, positions, qs, ks, list(tables), seed,
+                                                    **_kwargs(q, valid, score_mod, normalize, causal, dropout_p))
     B, N = valid.shape
     return jagged_to_dense(out, index, B, N)
 
 
 @score_mod_attention.register_fake
-def _(q, k, v, valid, q_sides, k_sides, tables, score_mod, normalize, causal):
+def _(q, k, v, valid, q_sides, k_sides, tables, seed, score_mod, normalize, causal, dropout_p):
     _check(q, k, v, valid, q_sides, k_sides, normalize)
     return torch.empty_like(v)
 
@@ -82,13 +86,14 @@ def _(q, k, v, valid, q_sides, k_sides, tables, score_mod, normalize, causal):
 def score_mod_attention_backward(grad: torch.Tensor, q: Optional[torch.Tensor], k: Optional[torch.Tensor],
                                  v: torch.Tensor, valid: torch.Tensor, q_sides: list[torch.Tensor],
                                  k_sides: list[torch.Tensor], tables: list[torch.Tensor], score_mod: str,
-                                 normalize: str, causal: bool) -> list[torch.Tensor]:
+                                 normalize: str, causal: bool, seed: Optional[torch.Tensor],
+                                 dropout_p: float) -> list[torch.Tensor]:
     """``[dq, dk, dv, *dq_sides, *dk_sides, *dtables]`` (dense; empty tensors for a missing q/k and
     for integer sides or tables)."""
     index, qj, kj, vj, offsets, positions, qs, ks = _packed(q, k, v, valid, q_sides, k_sides)
     dq, dk, dv, dqs, dks, dtables = lookup("jagged_attention_backward", v.device.type)(
-        dense_to_jagged(grad, index).contiguous(), qj, kj, vj, offsets, positions, qs, ks, list(tables),
-        **_kwargs(q, valid, score_mod, normalize, causal))
+        dense_to_jagged(grad, index).contiguous(), qj, kj, vj, offsets, positions, qs, ks, list(tables), seed,
+        **_kwargs(q, valid, score_mod, normalize, causal, dropout_p))
     B, N = valid.shape
     dense = [jagged_to_dense(g, index, B, N) if q is not None else grad.new_empty(0) for g in (dq, dk)]
     sides = [jagged_to_dense(g, index, B, N) if s.is_floating_point() else grad.new_empty(0)
@@ -97,31 +102,33 @@ def score_mod_attention_backward(grad: torch.Tensor, q: Optional[torch.Tensor], 
 
 
 @score_mod_attention_backward.register_fake
-def _(grad, q, k, v, valid, q_sides, k_sides, tables, score_mod, normalize, causal):
+def _(grad, q, k, v, valid, q_sides, k_sides, tables, score_mod, normalize, causal, seed, dropout_p):
     return [torch.empty_like(t) if t is not None else grad.new_empty(0) for t in (q, k)] + [torch.empty_like(v)] + \
         [torch.empty_like(t) if t.is_floating_point() else grad.new_empty(0) for t in (*q_sides, *k_sides, *tables)]
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, valid, q_sides, k_sides, tables, score_mod, normalize, causal = inputs
-    ctx.has_qk = q is not None
+    q, k, v, valid, q_sides, k_sides, tables, seed, score_mod, normalize, causal, dropout_p = inputs
+    ctx.has_qk, ctx.has_seed = q is not None, seed is not None
     ctx.counts = (len(q_sides), len(k_sides), len(tables))
-    ctx.options = dict(score_mod=score_mod, normalize=normalize, causal=causal)
-    ctx.save_for_backward(*([q, k] if q is not None else []), v, valid, *q_sides, *k_sides, *tables)
+    ctx.options = dict(score_mod=score_mod, normalize=normalize, causal=causal, dropout_p=dropout_p)
+    ctx.save_for_backward(*([q, k] if q is not None else []), v, valid, *q_sides, *k_sides, *tables,
+                          *([seed] if seed is not None else []))
 
 
 def _backward(ctx, grad):
     saved = list(ctx.saved_tensors)
+    seed = saved.pop() if ctx.has_seed else None
     q, k = (saved.pop(0), saved.pop(0)) if ctx.has_qk else (None, None)
     v, valid = saved.pop(0), saved.pop(0)
     nq, nk, _ = ctx.counts
     q_sides, k_sides, tables = saved[:nq], saved[nq:nq + nk], saved[nq + nk:]
     dq, dk, dv, *rest = torch.ops.grcompile.score_mod_attention_backward(
-        grad.contiguous(), q, k, v, valid, q_sides, k_sides, tables, **ctx.options)
+        grad.contiguous(), q, k, v, valid, q_sides, k_sides, tables, seed=seed, **ctx.options)
     if not ctx.has_qk:
         dq = dk = None
     rest = [d if t.is_floating_point() else None for d, t in zip(rest, [*q_sides, *k_sides, *tables])]
-    return dq, dk, dv, None, rest[:nq], rest[nq:nq + nk], rest[nq + nk:], None, None, None
+    return dq, dk, dv, None, rest[:nq], rest[nq:nq + nk], rest[nq + nk:], None, None, None, None, None
 
 
 score_mod_attention.register_autograd(_backward, setup_context=_setup_context)

@@ -57,6 +57,7 @@ class Capture:
     sides: list[Side] = field(default_factory=list)
     tables: list[fx.Node] = field(default_factory=list)
     normalize: str = "none"  # or "softmax"
+    dropout_p: float = 0.0  # dropout on the attention weights (training)
     score_mod: fx.GraphModule | None = None
     heads: int = 1
 
@@ -229,11 +230,15 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
     """Build the score_mod of ``contraction = matmul(A, v)`` and decide normalize / causal inputs.
     Raises ``Unsupported`` with the reason when the region is not a pointwise score function."""
     top = contraction.args[0]
-    normalize = "none"
+    normalize, dropout_p = "none", 0.0
     if canonical(top) == "dropout":
         p, training = arg(top, 1, "p", 0.5), arg(top, 2, "training", True)
+        if not isinstance(p, (int, float)) or not isinstance(training, bool):
+            raise Unsupported("attention dropout with a non-constant p or training flag", top)
         if training and p > 0:
-            raise Unsupported("dropout on the attention weights is not fused yet", top)
+            if p >= 1:
+                raise Unsupported(f"attention dropout p = {p} >= 1", top)
+            dropout_p = float(p)
         top = top.args[0]
     if canonical(top) == "softmax":
         layout = layouts.get(top)
@@ -247,7 +252,7 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
 
     g = fx.Graph()
     frame: dict[tuple[fx.Node, str | None], fx.Node] = {}
-    cap = Capture(score=None, q=None, kT=None, normalize=normalize)
+    cap = Capture(score=None, q=None, kT=None, normalize=normalize, dropout_p=dropout_p)
     score_ph = g.placeholder("score")
     q_pos, k_pos = g.placeholder("q_pos"), g.placeholder("k_pos")
     consumers = region if region else []

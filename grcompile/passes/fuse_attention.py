@@ -4,11 +4,14 @@ Matches: ``matmul(A, v)`` (or its spellings) where ``A`` is a Pair-layout tensor
 its key axis with a Token-layout ``v`` — the end of an attention. ``attention_capture`` turns the
 region under ``A`` into a score_mod (the user's bias / activation / scaling / mask math, pointwise)
 and proves that padded keys contribute nothing and whether the mask is causal.
-Emits: ``torch.ops.grcompile.score_mod_attention(q, k, v, valid, q_sides, k_sides, tables,
-score_mod=key, normalize=..., causal=...)`` on ``[B, N, H, d]`` views of the user's q, k, v, with
-bias tables and per-token side values (timestamps, ...) as inputs: no B×N×N tensor remains when
-the region has no other users. Falls back (report: site + reason) when capture or proof fails.
-Invariant: values at every valid query position are unchanged; padded query positions give 0.
+Emits: ``torch.ops.grcompile.score_mod_attention(q, k, v, valid, q_sides, k_sides, tables, seed,
+score_mod=key, normalize=..., causal=..., dropout_p=p)`` (``seed = randint(..)`` when p > 0) on ``[B, N, H, d]``
+views of the user's q, k, v, with bias tables and per-token side values (timestamps, ...) as
+inputs: no B×N×N tensor remains when the region has no other users. Training-mode dropout on the
+attention weights moves into the op (a hashed mask from a per-call seed: same distribution,
+other random draws than the eager dropout). Falls back (report: site + reason) when capture or proof fails.
+Invariant: values at every valid query position are unchanged (with attention dropout: in
+distribution, and exactly given the op's mask); padded query positions give 0.
 Requires ``detect_padding`` to have run.
 """
 from __future__ import annotations
@@ -85,7 +88,7 @@ class FuseAttention(GraphPass):
             except Unsupported as e:
                 ctx.fallback(e.node or node, str(e))
                 continue
-            ctx.rewrite("score_mod_attention", node, normalize=cap.normalize, causal=causal,
+            ctx.rewrite("score_mod_attention", node, normalize=cap.normalize, causal=causal, dropout_p=cap.dropout_p,
                         bias_tables=len(cap.tables), side_inputs=len(cap.sides), score_mod=key)
         gm.graph.eliminate_dead_code()
 
@@ -108,9 +111,14 @@ class FuseAttention(GraphPass):
             valid = info.validity[0] if info.validity else g.call_function(torch.logical_not, (info.padding[0],))
             q_sides = [_side_dense(g, s.node, layouts[s.node], B, N) for s in cap.sides if s.role == "q"]
             k_sides = [_side_dense(g, s.node, layouts[s.node], B, N) for s in cap.sides if s.role == "k"]
+            seed = None
+            if cap.dropout_p > 0:  # a fresh mask seed per call, from the default generator
+                device = getattr(v.meta.get("example_value"), "device", None)
+                seed = g.call_function(torch.randint, (0, 2**31 - 1, (1,)), {"dtype": torch.int64, "device": device})
             out = g.call_function(torch.ops.grcompile.score_mod_attention.default,
-                                  (q, k, vv, valid, q_sides, k_sides, list(cap.tables)),
-                                  {"score_mod": key, "normalize": cap.normalize, "causal": causal})
+                                  (q, k, vv, valid, q_sides, k_sides, list(cap.tables), seed),
+                                  {"score_mod": key, "normalize": cap.normalize, "causal": causal,
+                                   "dropout_p": cap.dropout_p})
             if node.meta.get("stack_trace"):
                 out.meta["stack_trace"] = node.meta["stack_trace"]  # reports point at the user's line
             out = _from_bnhd(g, out, node, lout)

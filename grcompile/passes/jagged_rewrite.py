@@ -338,7 +338,7 @@ class _Rewriter:
 
     def _attention(self, n: fx.Node) -> fx.Node:
         g = self.g
-        q, k, v, _valid, q_sides, k_sides, tables = n.args
+        q, k, v, _valid, q_sides, k_sides, tables, seed = n.args
         opts = n.kwargs
         Jt = lambda a: self.jagged[a] if a in self.members else self._pack(a)  # noqa: E731
         vj = Jt(v)
@@ -350,6 +350,7 @@ class _Rewriter:
         ks = [self._pack(s) for s in k_sides]
         activation = {"none": "identity", "softmax": "softmax"}[opts["normalize"]]
         return g.call_function(torch.ops.grcompile.jagged_attention.default,
-                               (qj, kj, vj, self.offsets, self.positions, qs, ks, list(tables)),
+                               (qj, kj, vj, self.offsets, self.positions, qs, ks, list(tables), seed),
                                {"score_mod": opts["score_mod"], "use_qk": q is not None, "activation": activation,
-                                "scale": 1.0, "out_scale": 1.0, "causal": opts["causal"], "max_len": self.N})
+                                "scale": 1.0, "out_scale": 1.0, "causal": opts["causal"], "max_len": self.N,
+                                "dropout_p": opts["dropout_p"]})

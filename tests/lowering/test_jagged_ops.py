@@ -218,7 +218,7 @@ def jagged_hstu_score_kind(c: Case):
     key = register_score_mod(hstu_region, kind="score")
     index, q, k, v, offsets, positions, q_ts, k_ts = jagged_inputs(c)
     out = torch.ops.grcompile.jagged_attention(
-        q, k, v, offsets, positions, [q_ts], [k_ts], [c.position_bias.weight, c.time_bias.weight],
+        q, k, v, offsets, positions, [q_ts], [k_ts], [c.position_bias.weight, c.time_bias.weight], None,
         score_mod=key, use_qk=True, activation="identity", scale=1.0, out_scale=1.0, causal=c.causal, max_len=N)
     return index, out
 
@@ -276,6 +276,61 @@ def test_attention_matches_padded_models_slow(c: Case, model: str) -> None:
     check_against_dense(c, *fns[model])
 
 
+def dense_keep(c: Case, seed: torch.Tensor, p: float) -> torch.Tensor:
+    """The op's dropout mask on the padded grid ``[B, H, N, N]`` (padded slots: any value)."""
+    index = J.jagged_index(c.valid)
+    token = torch.zeros(c.valid.numel(), dtype=torch.int64)
+    token[index] = torch.arange(index.numel())
+    token = token.view(c.valid.shape)
+    return attention_mod.dropout_keep(seed, token, token, c.q.shape[2], p)
+
+
+@SETTINGS
+@given(cases(causal=st.booleans()), st.sampled_from([0.1, 0.5, 0.9]), st.integers(0, 2**31 - 2),
+       st.sampled_from(["hstu", "sasrec"]))
+def test_attention_dropout_equals_dense_with_the_same_mask(c: Case, p: float, seed: int, model: str) -> None:
+    """Dropout inside the op == the padded model's ``attn * keep / (1 − p)`` with the op's mask."""
+    seed_t = torch.tensor([seed])
+    drop = dense_keep(c, seed_t, p).to(F64) / (1 - p)
+    if model == "hstu":
+        def jagged_fn(c):
+            index, q, k, v, offsets, positions, q_ts, k_ts = jagged_inputs(c)
+            return index, lowering.hstu_attention(
+                q, k, v, offsets, positions, N=c.N, query_timestamps=q_ts, timestamps=k_ts,
+                position_table=c.position_bias.weight, time_table=c.time_bias.weight,
+                table_max_len=c.position_bias.max_len, num_buckets=c.time_bias.num_buckets, causal=c.causal,
+                dropout_p=p, seed=seed_t)
+
+        def dense_fn(c):
+            q, k, v = heads(c.q), heads(c.k), heads(c.v)
+            rab = c.position_bias(c.N, q.device).unsqueeze(0) + c.time_bias(c.timestamps, c.valid)
+            attn = F.silu(torch.matmul(q, k.transpose(-2, -1)) + rab.unsqueeze(1)) * drop / c.N
+            return torch.matmul(attn * mask_of(c).unsqueeze(1), v).transpose(1, 2)
+    else:
+        def jagged_fn(c):
+            index, q, k, v, offsets, positions, _, _ = jagged_inputs(c)
+            return index, lowering.jagged_softmax_attention(q, k, v, offsets, positions, N=c.N, causal=c.causal,
+                                                            dropout_p=p, seed=seed_t)
+
+        def dense_fn(c):
+            q, k, v = heads(c.q), heads(c.k), heads(c.v)
+            scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+            scores = scores.masked_fill(~mask_of(c).unsqueeze(1), MASKED_SCORE)
+            return torch.matmul(torch.softmax(scores, dim=-1) * drop, v).transpose(1, 2)
+    check_against_dense(c, jagged_fn, dense_fn, tables=model == "hstu")
+
+
+def test_dropout_mask_rate_and_independence() -> None:
+    """keep ≈ Bernoulli(1 − p): the rate, and no correlation between neighbours, seeds or heads."""
+    tok = torch.arange(300)[None]
+    a = attention_mod.dropout_keep(torch.tensor([1]), tok, tok, 2, 0.3).float()
+    b = attention_mod.dropout_keep(torch.tensor([2]), tok, tok, 2, 0.3).float()
+    assert abs(a.mean().item() - 0.7) < 0.005  # 180k draws: sd 0.001
+    for x, y in [(a, b), (a[:, 0], a[:, 1]), (a[..., 1:], a[..., :-1]), (a[..., 1:, :], a[..., :-1, :])]:
+        assert abs((x * y).mean().item() - 0.49) < 0.006, "correlated dropout decisions"
+    assert attention_mod.dropout_keep(torch.tensor([1]), tok, tok, 2, 0.0).all()
+
+
 def test_long_rows_with_query_tiling_match() -> None:
     """A row longer than the chunk budget is split into query blocks (causal: keys up to the block)."""
     gen = torch.Generator().manual_seed(3)
@@ -298,7 +353,7 @@ def test_softmax_row_without_allowed_key_is_zero() -> None:
     q, k, v, offsets, positions, *_ = small_attention_args()
     table = torch.zeros(1, dtype=F64, requires_grad=True)
     out = torch.ops.grcompile.jagged_attention(
-        q, k, v, offsets, positions, [], [], [table], score_mod=key, use_qk=True, activation="softmax",
+        q, k, v, offsets, positions, [], [], [table], None, score_mod=key, use_qk=True, activation="softmax",
         scale=1.0, out_scale=1.0, causal=True, max_len=5)
     early = positions < 2
     assert early.any() and (~early).any()
@@ -319,7 +374,7 @@ def test_float32_close_to_float64() -> None:
 
     def run(dtype):
         return torch.ops.grcompile.jagged_attention(
-            q.to(dtype), k.to(dtype), v.to(dtype), offsets, positions, [], [], [table.to(dtype)], score_mod=key,
+            q.to(dtype), k.to(dtype), v.to(dtype), offsets, positions, [], [], [table.to(dtype)], None, score_mod=key,
             use_qk=True, activation="silu", scale=0.5, out_scale=1 / 12, causal=True, max_len=12)
 
     torch.testing.assert_close(run(torch.float32), run(F64).float(), atol=1e-5, rtol=1e-4)
@@ -343,18 +398,22 @@ def small_attention_args(requires_grad: bool = True):
     return q, k, v, J.valid_to_offsets(valid), J.padded_positions(index, 5), [ts + 7], [ts], tables
 
 
-@pytest.mark.parametrize("variant", ["hstu", "softmax", "bias_only"])
+@pytest.mark.parametrize("variant", ["hstu", "softmax", "bias_only", "softmax_dropout"])
 def test_opcheck_jagged_attention(variant: str) -> None:
     q, k, v, offsets, positions, q_side, k_side, tables = small_attention_args()
     kwargs = dict(score_mod=hstu_rab_key(5, 128), use_qk=True, activation="silu", scale=1.0, out_scale=0.2,
                   causal=True, max_len=5)
-    if variant == "softmax":
+    seed = None
+    if variant == "softmax_dropout":
+        kwargs.update(score_mod="", activation="softmax", dropout_p=0.4)
+        q_side, k_side, tables, seed = [], [], [], torch.tensor([99])
+    elif variant == "softmax":
         kwargs.update(score_mod="", activation="softmax", scale=0.5, causal=False)
         q_side, k_side, tables = [], [], []
     elif variant == "bias_only":
         kwargs.update(use_qk=False, activation="identity", out_scale=1.0)
     torch.library.opcheck(torch.ops.grcompile.jagged_attention.default,
-                          (q, k, v, offsets, positions, q_side, k_side, tables), kwargs)
+                          (q, k, v, offsets, positions, q_side, k_side, tables, seed), kwargs)
 
 
 def test_opcheck_jagged_attention_backward() -> None:
@@ -439,7 +498,7 @@ def call(q, k, v, offsets, positions, q_side=(), k_side=(), tables=(), **overrid
     kwargs = dict(score_mod="", use_qk=True, activation="silu", scale=1.0, out_scale=1.0, causal=True, max_len=5)
     kwargs.update(overrides)
     return torch.ops.grcompile.jagged_attention(q, k, v, offsets, positions, list(q_side), list(k_side),
-                                                list(tables), **kwargs)
+                                                list(tables), None, **kwargs)
 
 
 def test_bad_inputs_raise_clear_errors() -> None:

@@ -133,16 +133,46 @@ def test_user_variant_additive_mask_bidirectional():
     assert len(report.rewrites) == 1 and report.rewrites[0]["causal"] is False
 
 
-def test_attention_dropout_falls_back_with_reason():
+def test_attention_dropout_fused_and_exact_given_the_mask(monkeypatch):
+    """Training-mode attention dropout moves into the op; given the op's mask (hashed from the seed
+    the graph draws from the default generator) values and gradients equal the eager model's."""
+    from grcompile.lowering.attention import dropout_keep
+    from grcompile.lowering.jagged import jagged_index
+
+    p = 0.3
     torch.manual_seed(0)
-    m = UserAttention(attn_dropout=0.3).double()
-    ids, _ = random_batch([10, 1, 4], 10, num_items=40, pad=7)
+    m = UserAttention(attn_dropout=p).double()
+    ids, _ = random_batch([10, 1, 4, 0], 10, num_items=40, pad=7)
+    valid = ids != 7
     optimized = grcompile.optimize(m, passes=PIPELINE, lowering="eager")
-    optimized(ids)
+    torch.manual_seed(123)
+    seed = torch.randint(0, 2**31 - 1, (1,))  # the draw the graph makes
+    torch.manual_seed(123)
+    out = optimized(ids)
+    (out * valid[..., None]).square().sum().backward()
+    fused = {n: q.grad.clone() for n, q in m.named_parameters()}
     report = grcompile.report(optimized)
-    assert report.rewrites == []
-    assert any("dropout on the attention weights" in f["reason"] for f in report.fallbacks)
-    assert report.fallbacks[0]["site"].startswith("test_fuse_attention.py:")
+    assert [r["dropout_p"] for r in report.rewrites] == [p] and not report.fallbacks
+    torch.manual_seed(7)
+    assert not torch.equal(optimized(ids), out), "a new step draws a new mask"
+
+    token = torch.zeros(valid.numel(), dtype=torch.int64)
+    token[jagged_index(valid)] = torch.arange(int(valid.sum()))
+    token = token.view(valid.shape)
+    keep = dropout_keep(seed, token, token, 1, p)[:, 0]
+    monkeypatch.setattr(F, "dropout", lambda x, q, training: x * keep / (1 - q) if training else x)
+    m.zero_grad()
+    ref = m(ids)
+    torch.testing.assert_close(out * valid[..., None], ref * valid[..., None])
+    (ref * valid[..., None]).square().sum().backward()
+    for n, q in m.named_parameters():
+        torch.testing.assert_close(fused[n], q.grad, msg=n)
+
+    monkeypatch.undo()
+    torch._dynamo.reset()
+    m.eval()
+    m.zero_grad()
+    assert_same(m, (ids,), valid)  # eval mode: no dropout, exact
 
 
 class LeakyMask(nn.Module):
