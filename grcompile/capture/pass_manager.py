@@ -59,15 +59,20 @@ def pass_name(p: Any) -> str:
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
+_IN_TORCH = re.compile(r"/site-packages/torch/|/torch/(nn|_dynamo|_ops|_tensor|functional)")
+
+
 def node_site(node: fx.Node | None) -> str:
     """Short source location of ``node``: ``"hstu.py:30 in forward"`` from the innermost frame of
-    ``node.meta["stack_trace"]`` (the user's line, as Dynamo recorded it), else the node name."""
+    ``node.meta["stack_trace"]`` outside torch itself (the user's line, as Dynamo recorded it; a
+    traced ``F.rms_norm`` would otherwise point into torch/nn/functional.py), else the node name."""
     if node is None:
         return "<graph>"
     frames = _FRAME.findall(node.meta.get("stack_trace") or "")
     if not frames:
         return node.name
-    filename, line, fn = frames[-1]
+    user = [f for f in frames if not _IN_TORCH.search(f[0].replace(chr(92), "/"))]
+    filename, line, fn = (user or frames)[-1]
     return f"{filename.replace(chr(92), '/').rsplit('/', 1)[-1]}:{line} in {fn}"
 
 

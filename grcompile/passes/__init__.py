@@ -6,7 +6,8 @@
 * ``fuse_attention`` — dense masked attention → padding-free ``score_mod_attention`` with the
   user's bias math captured as a score_mod and the mask proved;
 * ``jagged_rewrite`` — the row-wise block on ``[T, ...]`` values (one data-dependent pack, no
-  recompiles), ``jagged_attention`` inside, scattered back where values leave the block.
+  recompiles), ``jagged_attention`` inside, scattered back where values leave the block;
+* ``fuse_norm_gate`` — ``u ⊙ Norm(x)`` and the non-affine input norms → ``gated_norm``.
 
 ``attention_pipeline()`` stops after the fusion; ``passes=[]`` lowers the captured graph unchanged.
 Every pass is exact at valid positions or falls back with a reason (see docs/DESIGN.md).
@@ -23,10 +24,11 @@ def default_pipeline() -> list[GraphPass]:
 
 
 def jagged_pipeline() -> list[GraphPass]:
-    """Padding detection, fused attention, then the whole row-wise block on jagged values."""
+    """Padding detection, fused attention, the whole row-wise block on jagged values, fused norms."""
+    from .fuse_norm_gate import FuseNormGate
     from .jagged_rewrite import JaggedRewrite
 
-    return [*attention_pipeline(), JaggedRewrite()]
+    return [*attention_pipeline(), JaggedRewrite(), FuseNormGate()]
 
 
 def attention_pipeline() -> list[GraphPass]:

@@ -1,0 +1,107 @@
+"""Pass ``fuse_norm_gate``: ``u ⊙ Norm(x)`` and bare input norms → ``grcompile::gated_norm``.
+
+Matches: ``layer_norm(x, (D,))`` / ``rms_norm(x, (D,))`` over the last dim of ``x``, without affine
+weight or bias, with a constant eps, on float32 / float64 (half dtypes: the fused op normalises in
+float32 and gates before rounding, which is more accurate but not bit-equal to the user's ops).
+When the norm's only user is ``mul(norm, u)`` (either order) with ``u`` of the same shape and
+dtype, the product is fused too — HSTU's ``u * layer_norm(attn_out)``, FuXi-α's
+``rms_norm(out) * u``; otherwise the norm alone becomes ``gated_norm(x, None)`` (input norms).
+Emits: ``torch.ops.grcompile.gated_norm(x, u | None, kind="layer" | "rms", eps=eps)``, one op the
+Triton / Ascend kernels replace (one pass per row instead of norm, then gate, then their
+backwards); the CPU reference is the same torch ops, so values do not change.
+Skips (counted, not reported as fallbacks: nothing is lost): affine norms (SASRec's LayerNorm
+modules), norms over more than the last dim, non-constant eps.
+Invariant: values and gradients equal the unfused graph's (same reference ops; analytic backward).
+Runs anywhere in the pipeline: it is row-wise, so dense ``[B, N, D]`` and jagged ``[T, D]`` alike.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..capture.pass_manager import GraphPass, PassContext
+from ..lowering import norm as _norm  # noqa: F401 (registers grcompile::gated_norm)
+from .op_semantics import arg, canonical, refresh_example_values
+
+_KINDS = {"layer_norm": "layer", "rms_norm": "rms"}
+_EXACT_DTYPES = (torch.float32, torch.float64)
+
+
+def _example(node) -> torch.Tensor | None:
+    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _match_norm(node: fx.Node) -> tuple[str, float] | str:
+    """``(kind, eps)`` for a fusable norm, else the reason it is skipped."""
+    op = canonical(node)
+    x = node.args[0]
+    xv = _example(x)
+    if xv is None:
+        return "no_shape"
+    if xv.dtype not in _EXACT_DTYPES:
+        return "dtype"
+    shape = arg(node, 1, "normalized_shape")
+    shape = [shape] if isinstance(shape, int) else list(shape or [])
+    if len(shape) != 1 or shape[0] != xv.shape[-1]:
+        return "not_last_dim"
+    if op == "layer_norm":
+        weight, bias, eps = arg(node, 2, "weight"), arg(node, 3, "bias"), arg(node, 4, "eps", 1e-5)
+    else:
+        weight, bias, eps = arg(node, 2, "weight"), None, arg(node, 3, "eps")
+        if eps is None:
+            eps = torch.finfo(xv.dtype).eps  # F.rms_norm's default
+    if weight is not None or bias is not None:
+        return "affine"
+    if not isinstance(eps, (int, float)):
+        return "eps_not_constant"
+    return _KINDS[op], float(eps)
+
+
+def _gate_of(norm: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(mul node, u)`` when the norm's only user multiplies it by a same-shape, same-dtype ``u``."""
+    if len(norm.users) != 1:
+        return None
+    mul = next(iter(norm.users))
+    if canonical(mul) != "mul" or len(mul.args) != 2 or mul.kwargs:
+        return None
+    a, b = mul.args
+    u = b if a is norm else a if b is norm else None
+    nv, uv = _example(norm), _example(u)
+    if u is None or u is norm or nv is None or uv is None:
+        return None
+    if tuple(uv.shape) != tuple(nv.shape) or uv.dtype != nv.dtype:
+        return None
+    return mul, u
+
+
+class FuseNormGate(GraphPass):
+    name = "fuse_norm_gate"
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        refresh_example_values(gm)  # nodes an earlier pass inserted (e.g. the jagged block)
+        g = gm.graph
+        for node in list(g.nodes):
+            if node.op != "call_function" or canonical(node) not in _KINDS:
+                continue
+            match = _match_norm(node)
+            if isinstance(match, str):
+                ctx.count(f"skipped_{match}")
+                continue
+            kind, eps = match
+            gate = _gate_of(node)
+            replaced, u = gate if gate is not None else (node, None)
+            with g.inserting_before(replaced):
+                fused = g.call_function(torch.ops.grcompile.gated_norm.default, (node.args[0], u),
+                                        {"kind": kind, "eps": eps})
+            fused.meta = dict(replaced.meta)
+            if "stack_trace" in node.meta:  # report the user's norm line
+                fused.meta["stack_trace"] = node.meta["stack_trace"]
+            replaced.replace_all_uses_with(fused)
+            g.erase_node(replaced)
+            if replaced is not node:
+                g.erase_node(node)
+            ctx.rewrite("gated_norm" if u is not None else "norm", fused, kind=kind, eps=eps)
+
+
+__all__ = ["FuseNormGate"]

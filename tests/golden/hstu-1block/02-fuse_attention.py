@@ -1,0 +1,130 @@
+# grcompile graph 0: fuse_attention
+# after pass 2/4 'fuse_attention'
+# 1 rewrite(s); nodes 88 -> 75
+# counters: fuse_attention.score_mod_attention=1
+#   score_mod_attention at hstu.py:37 in forward normalize=none causal=True dropout_p=0.0 bias_tables=2 side_inputs=4 score_mod=captured-0071706ec5bf
+import torch
+
+class GraphModule(torch.nn.Module):
+    def forward(self, L_ids_: "i64[4, 8]", L_self_modules_item_embedding_parameters_weight_: "f32[21, 8]", L_self_modules_position_embedding_parameters_weight_: "f32[8, 8]", L_self_modules_blocks_modules_0_modules_uvqk_parameters_weight_: "f32[32, 8]", L_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_: "f32[15]", L_timestamps_: "i64[4, 8]", L_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_: "f32[129]", L_self_modules_blocks_modules_0_modules_output_parameters_weight_: "f32[8, 8]", L_self_modules_blocks_modules_0_modules_output_parameters_bias_: "f32[8]"):
+        l_ids_ = L_ids_
+        l_self_modules_item_embedding_parameters_weight_ = L_self_modules_item_embedding_parameters_weight_
+        l_self_modules_position_embedding_parameters_weight_ = L_self_modules_position_embedding_parameters_weight_
+        l_self_modules_blocks_modules_0_modules_uvqk_parameters_weight_ = L_self_modules_blocks_modules_0_modules_uvqk_parameters_weight_
+        l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_ = L_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_
+        l_timestamps_ = L_timestamps_
+        l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_ = L_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_
+        l_self_modules_blocks_modules_0_modules_output_parameters_weight_ = L_self_modules_blocks_modules_0_modules_output_parameters_weight_
+        l_self_modules_blocks_modules_0_modules_output_parameters_bias_ = L_self_modules_blocks_modules_0_modules_output_parameters_bias_
+
+        # File: common.py:32 in forward, code: valid = ids != self.config.pad_id
+        valid: "b8[4, 8]" = l_ids_ != 0
+
+        # File: common.py:33 in forward, code: positions = torch.arange(N, device=ids.device)
+        positions: "i64[8]" = torch.arange(8, device = device(type='cpu'))
+
+        # File: common.py:34 in forward, code: x = self.item_embedding(ids) * math.sqrt(self.config.embedding_dim)
+        embedding: "f32[4, 8, 8]" = torch.nn.functional.embedding(l_ids_, l_self_modules_item_embedding_parameters_weight_, 0, None, 2.0, False, False);  l_ids_ = l_self_modules_item_embedding_parameters_weight_ = None
+        x: "f32[4, 8, 8]" = embedding * 2.8284271247461903;  embedding = None
+
+        # File: common.py:35 in forward, code: x = x + self.position_embedding(positions).unsqueeze(0)
+        embedding_1: "f32[8, 8]" = torch.nn.functional.embedding(positions, l_self_modules_position_embedding_parameters_weight_, None, None, 2.0, False, False);  positions = l_self_modules_position_embedding_parameters_weight_ = None
+        unsqueeze: "f32[1, 8, 8]" = embedding_1.unsqueeze(0);  embedding_1 = None
+        x_1: "f32[4, 8, 8]" = x + unsqueeze;  x = unsqueeze = None
+
+        # File: common.py:36 in forward, code: x = self.input_dropout(x) * valid.unsqueeze(-1)
+        dropout: "f32[4, 8, 8]" = torch.nn.functional.dropout(x_1, 0.0, True, False);  x_1 = None
+        unsqueeze_1: "b8[4, 8, 1]" = valid.unsqueeze(-1)
+        x_2: "f32[4, 8, 8]" = dropout * unsqueeze_1;  dropout = unsqueeze_1 = None
+
+        # File: hstu.py:27 in forward, code: normed = F.layer_norm(x, (D,), eps=1e-6)
+        normed: "f32[4, 8, 8]" = torch.nn.functional.layer_norm(x_2, (8,), eps = 1e-06)
+
+        # File: hstu.py:28 in forward, code: u, v, q, k = torch.split(F.silu(self.uvqk(normed)), [H * dv, H * dv, H * dqk, H * dqk], dim=-1)
+        linear: "f32[4, 8, 32]" = torch._C._nn.linear(normed, l_self_modules_blocks_modules_0_modules_uvqk_parameters_weight_, None);  normed = l_self_modules_blocks_modules_0_modules_uvqk_parameters_weight_ = None
+        silu: "f32[4, 8, 32]" = torch.nn.functional.silu(linear);  linear = None
+        split = torch.functional.split(silu, [8, 8, 8, 8], dim = -1);  silu = None
+        u: "f32[4, 8, 8]" = split[0]
+        v: "f32[4, 8, 8]" = split[1]
+        q: "f32[4, 8, 8]" = split[2]
+        k: "f32[4, 8, 8]" = split[3];  split = None
+
+        # File: hstu.py:29 in forward, code: q = q.view(B, N, H, dqk).transpose(1, 2)
+        view: "f32[4, 8, 2, 4]" = q.view(4, 8, 2, 4);  q = None
+        q_1: "f32[4, 2, 8, 4]" = view.transpose(1, 2);  view = None
+
+        # File: hstu.py:30 in forward, code: k = k.view(B, N, H, dqk).transpose(1, 2)
+        view_1: "f32[4, 8, 2, 4]" = k.view(4, 8, 2, 4);  k = None
+        k_1: "f32[4, 2, 8, 4]" = view_1.transpose(1, 2);  view_1 = None
+
+        # File: hstu.py:31 in forward, code: v = v.view(B, N, H, dv).transpose(1, 2)
+        view_2: "f32[4, 8, 2, 4]" = v.view(4, 8, 2, 4);  v = None
+        v_1: "f32[4, 2, 8, 4]" = view_2.transpose(1, 2);  view_2 = None
+
+        # File: common.py:85 in forward, code: next_ts = torch.cat([timestamps[:, 1:], timestamps[:, -1:]], dim=1)
+        getitem_5: "i64[4, 7]" = l_timestamps_[(slice(None, None, None), slice(1, None, None))]
+        getitem_6: "i64[4, 1]" = l_timestamps_[(slice(None, None, None), slice(-1, None, None))]
+        next_ts: "i64[4, 8]" = torch.cat([getitem_5, getitem_6], dim = 1);  getitem_5 = getitem_6 = None
+
+        # File: common.py:86 in forward, code: next_valid = torch.cat([valid[:, 1:], torch.zeros_like(valid[:, :1])], dim=1)
+        getitem_7: "b8[4, 7]" = valid[(slice(None, None, None), slice(1, None, None))]
+        getitem_8: "b8[4, 1]" = valid[(slice(None, None, None), slice(None, 1, None))]
+        zeros_like: "b8[4, 1]" = torch.zeros_like(getitem_8);  getitem_8 = None
+        next_valid: "b8[4, 8]" = torch.cat([getitem_7, zeros_like], dim = 1);  getitem_7 = zeros_like = None
+
+        # File: common.py:87 in forward, code: query_ts = torch.where(next_valid, next_ts, timestamps)
+        query_ts: "i64[4, 8]" = torch.where(next_valid, next_ts, l_timestamps_);  next_valid = next_ts = None
+
+        # File: common.py:88 in forward, code: delta = (query_ts.unsqueeze(2) - timestamps.unsqueeze(1)).abs().clamp(min=1)
+        unsqueeze_5: "i64[4, 8, 1]" = query_ts.unsqueeze(2);  query_ts = None
+        unsqueeze_6: "i64[4, 1, 8]" = l_timestamps_.unsqueeze(1);  l_timestamps_ = None
+
+        # File: hstu.py:34 in forward, code: scores = torch.matmul(q, k.transpose(-2, -1)) + rab.unsqueeze(1)
+        transpose_3: "f32[4, 2, 4, 8]" = k_1.transpose(-2, -1);  k_1 = None
+
+        # File: common.py:54 in causal_padding_mask, code: return causal.unsqueeze(0) & valid.unsqueeze(1) & valid.unsqueeze(2)
+        unsqueeze_9: "b8[4, 1, 8]" = valid.unsqueeze(1)
+        unsqueeze_10: "b8[4, 8, 1]" = valid.unsqueeze(2)
+
+        # No stacktrace found for following nodes
+        permute = q_1.permute(0, 2, 1, 3);  q_1 = None
+        permute_1 = transpose_3.permute(0, 3, 1, 2);  transpose_3 = None
+        permute_2 = v_1.permute(0, 2, 1, 3);  v_1 = None
+        permute_3 = unsqueeze_5.permute(0, 1, 2);  unsqueeze_5 = None
+        reshape_1 = permute_3.reshape(4, 8);  permute_3 = None
+        expand = reshape_1.expand(4, 8);  reshape_1 = None
+        permute_4 = unsqueeze_10.permute(0, 1, 2);  unsqueeze_10 = None
+        reshape_2 = permute_4.reshape(4, 8);  permute_4 = None
+        expand_1 = reshape_2.expand(4, 8);  reshape_2 = None
+        permute_5 = unsqueeze_6.permute(0, 2, 1);  unsqueeze_6 = None
+        reshape_3 = permute_5.reshape(4, 8);  permute_5 = None
+        expand_2 = reshape_3.expand(4, 8);  reshape_3 = None
+        permute_6 = unsqueeze_9.permute(0, 2, 1);  unsqueeze_9 = None
+        reshape_4 = permute_6.reshape(4, 8);  permute_6 = None
+        expand_3 = reshape_4.expand(4, 8);  reshape_4 = None
+
+        # File: hstu.py:37 in forward, code: out = torch.matmul(attn, v).transpose(1, 2).reshape(B, N, H * dv)
+        score_mod_attention_default = torch.ops.grcompile.score_mod_attention.default(permute, permute_1, permute_2, valid, [expand, expand_1], [expand_2, expand_3], [l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_, l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_], None, score_mod = 'captured-0071706ec5bf', normalize = 'none', causal = True, dropout_p = 0.0);  permute = permute_1 = permute_2 = expand = expand_1 = expand_2 = expand_3 = l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_ = l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_ = None
+
+        # No stacktrace found for following nodes
+        permute_7 = score_mod_attention_default.permute(0, 2, 1, 3);  score_mod_attention_default = None
+        reshape_5 = permute_7.reshape(4, 2, 8, 4);  permute_7 = None
+
+        # File: hstu.py:37 in forward, code: out = torch.matmul(attn, v).transpose(1, 2).reshape(B, N, H * dv)
+        transpose_4: "f32[4, 8, 2, 4]" = reshape_5.transpose(1, 2);  reshape_5 = None
+        out: "f32[4, 8, 8]" = transpose_4.reshape(4, 8, 8);  transpose_4 = None
+
+        # File: hstu.py:39 in forward, code: gated = u * F.layer_norm(out, (H * dv,), eps=1e-6)
+        layer_norm_1: "f32[4, 8, 8]" = torch.nn.functional.layer_norm(out, (8,), eps = 1e-06);  out = None
+        gated: "f32[4, 8, 8]" = u * layer_norm_1;  u = layer_norm_1 = None
+
+        # File: hstu.py:40 in forward, code: return x + self.output(self.dropout(gated))
+        dropout_1: "f32[4, 8, 8]" = torch.nn.functional.dropout(gated, 0.0, True, False);  gated = None
+        linear_1: "f32[4, 8, 8]" = torch._C._nn.linear(dropout_1, l_self_modules_blocks_modules_0_modules_output_parameters_weight_, l_self_modules_blocks_modules_0_modules_output_parameters_bias_);  dropout_1 = l_self_modules_blocks_modules_0_modules_output_parameters_weight_ = l_self_modules_blocks_modules_0_modules_output_parameters_bias_ = None
+        x_3: "f32[4, 8, 8]" = x_2 + linear_1;  x_2 = linear_1 = None
+
+        # File: common.py:38 in forward, code: return F.normalize(x, dim=-1) * valid.unsqueeze(-1)
+        normalize: "f32[4, 8, 8]" = torch.nn.functional.normalize(x_3, dim = -1);  x_3 = None
+        unsqueeze_12: "b8[4, 8, 1]" = valid.unsqueeze(-1);  valid = None
+        mul_4: "f32[4, 8, 8]" = normalize * unsqueeze_12;  normalize = unsqueeze_12 = None
+        return (mul_4,)
