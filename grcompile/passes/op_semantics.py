@@ -143,12 +143,21 @@ def refresh_example_values(gm: fx.GraphModule) -> None:
     if fake_mode is None:
         return
     env: dict[fx.Node, object] = {}
-    with fake_mode:
-        for n in gm.graph.nodes:
-            known = n.meta.get("example_value")
-            if known is not None or n.op in ("placeholder", "output", "get_attr"):
-                env[n] = known
-                continue
-            value = evaluate(n, fx.node.map_arg(n.args, env.get), fx.node.map_arg(n.kwargs, env.get))
-            n.meta["example_value"] = value
-            env[n] = value
+    # An op with a data-dependent size (pack_index) mints an unbacked symbol here, outside any
+    # trace; left pending, AOTAutograd would later fail to find it bound. These values are
+    # analysis-only, so the ShapeEnv's pending list is restored afterwards.
+    shape_env = fake_mode.shape_env
+    pending = list(shape_env.pending_fresh_unbacked_symbols) if shape_env is not None else None
+    try:
+        with fake_mode:
+            for n in gm.graph.nodes:
+                known = n.meta.get("example_value")
+                if known is not None or n.op in ("placeholder", "output", "get_attr"):
+                    env[n] = known
+                    continue
+                value = evaluate(n, fx.node.map_arg(n.args, env.get), fx.node.map_arg(n.kwargs, env.get))
+                n.meta["example_value"] = value
+                env[n] = value
+    finally:
+        if pending is not None:
+            shape_env.pending_fresh_unbacked_symbols[:] = pending

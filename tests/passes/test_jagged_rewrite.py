@@ -94,3 +94,21 @@ def test_unsafe_exit_falls_back_with_reason_and_stays_exact():
 def test_random_length_mixes_200_per_model(model, lengths, left):
     """The issue's property test at full strength (``make test-slow``)."""
     check_length_mix(model, lengths, left)
+
+
+@pytest.mark.parametrize("steps", [pytest.param(1000, marks=pytest.mark.slow), 150])
+def test_compiles_stay_at_one_over_many_length_mixes(steps):
+    """The issue's bound (≤ 2 compiles over 1,000 steps of random length mixes), training with
+    inductor lowering; 150 steps in the default run, the full 1,000 in the slow profile."""
+    torch.manual_seed(0)
+    enc = build_encoder("hstu", "ml1m", num_items=50, max_len=16, embedding_dim=8, num_blocks=1, num_heads=1,
+                        attention_dim=4, linear_dim=4, dropout=0.0)
+    optimized = grcompile.optimize(enc)
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        lengths = torch.randint(0, 17, (4,), generator=g)
+        lengths[torch.randint(0, 4, (1,), generator=g)] = [0, 1, 16][step % 3]  # empty / length-1 / full rows
+        ids, ts = random_batch(lengths.tolist(), 16, seed=step)
+        optimized(ids, ts).sum().backward()
+    report = grcompile.report(optimized)
+    assert report.compiles == 1 and report.graph_breaks == 0 and not report.fallbacks
