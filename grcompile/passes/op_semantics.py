@@ -135,9 +135,11 @@ def evaluate(node: fx.Node, args: Any, kwargs: Any) -> Any:
     return None
 
 
-def refresh_example_values(gm: fx.GraphModule) -> None:
+def refresh_example_values(gm: fx.GraphModule, strict: bool = True) -> None:
     """Give nodes that earlier passes inserted an ``example_value`` (fake tensors computed from
-    their inputs' example values), so layout analysis can run on a rewritten graph."""
+    their inputs' example values), so layout analysis can run on a rewritten graph. With
+    ``strict=False`` a node that cannot be evaluated (e.g. a guard on a data-dependent size of
+    the jagged block) keeps no value, and neither do the nodes computed from it."""
     values = [example(n) for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = next((v.fake_mode for v in values if hasattr(v, "fake_mode")), None)
     if fake_mode is None:
@@ -155,8 +157,14 @@ def refresh_example_values(gm: fx.GraphModule) -> None:
                 if known is not None or n.op in ("placeholder", "output", "get_attr"):
                     env[n] = known
                     continue
-                value = evaluate(n, fx.node.map_arg(n.args, env.get), fx.node.map_arg(n.kwargs, env.get))
-                n.meta["example_value"] = value
+                try:
+                    value = evaluate(n, fx.node.map_arg(n.args, env.get), fx.node.map_arg(n.kwargs, env.get))
+                except Exception:  # noqa: BLE001 - analysis-only values
+                    if strict:
+                        raise
+                    value = None
+                if value is not None:
+                    n.meta["example_value"] = value
                 env[n] = value
     finally:
         if pending is not None:

@@ -59,7 +59,10 @@ def check_outputs_and_grads(model: str, model_overrides: dict | None = None, **o
     torch.testing.assert_close(actual, expected)
     for (name, p_eager), (_, p_opt) in zip(eager.named_parameters(), opt_model.named_parameters()):
         assert p_opt.grad is not None, name
-        torch.testing.assert_close(p_opt.grad, p_eager.grad, msg=lambda m, name=name: f"{name}: {m}")
+        # float32: the fused norm's analytic backward rounds differently from autograd's chain
+        # (float64 tests elsewhere hold the default tolerances)
+        torch.testing.assert_close(p_opt.grad, p_eager.grad, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     return optimized
 
 
@@ -297,7 +300,8 @@ def test_modes() -> None:
     assert apply_compile_mode(enc, "eager") is enc and describe_mode(enc) == "eager: not compiled"
     assert describe_mode(apply_compile_mode(enc, "inductor")).startswith("inductor:")
     assert describe_mode(apply_compile_mode(enc, "grcompile")) == (
-        "grcompile: 3 pass(es) in pipeline (detect_padding, fuse_attention, jagged_rewrite), lowered by inductor")
+        "grcompile: 4 pass(es) in pipeline (detect_padding, fuse_attention, jagged_rewrite, fuse_norm_gate), "
+        "lowered by inductor")
     assert describe_mode(apply_compile_mode(enc, "grcompile", passes=[])) == (
         "grcompile: 0 passes in pipeline (empty: graph lowered unchanged by inductor)")
     with pytest.raises(ValueError, match="unknown compile mode"):
