@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from .dump import describe_inputs, emit_artifact, write_dump
+from .dump import describe_inputs, emit_artifact, write_dump, write_score_mods
 from .pass_manager import GraphPass, PassContext, PassResult, pass_name, run_pipeline
 from .report import Report
 
@@ -93,6 +93,8 @@ class GrcompileBackend:
         for f in ctx.fallbacks:
             log.warning("grcompile graph %d: pass %s fell back at %s: %s", k, f["pass"], f["site"], f["reason"])
 
+        if state.dump_dir is not None:
+            write_score_mods(state.dump_dir, k, gm)
         if state.lowering == "eager":
             return gm.forward
         from torch._inductor.compile_fx import compile_fx  # heavy import: only when lowering

@@ -64,6 +64,37 @@ def write_dump(dump_dir: Path, graph_index: int, step: int, label: str, gm: fx.G
     return path
 
 
+def write_score_mods(dump_dir: Path, graph_index: int, gm: fx.GraphModule) -> list[Path]:
+    """Write the score_mods the graph's fused attentions reference (``score_mod=<key>``) as
+    ``dump_dir/graph_<k>/score_mods/<key>.py``: the user's bias / activation / mask math as the
+    attention op evaluates it per (query, key) pair."""
+    from ..lowering.score_mod import get_score_mod
+
+    keys = sorted({n.kwargs["score_mod"] for n in gm.graph.nodes
+                   if n.op == "call_function" and isinstance(n.kwargs.get("score_mod"), str) and n.kwargs["score_mod"]})
+    paths = []
+    for key in keys:
+        try:
+            mod = get_score_mod(key)
+        except KeyError:
+            continue
+        folder = Path(dump_dir) / f"graph_{graph_index}" / "score_mods"
+        folder.mkdir(parents=True, exist_ok=True)
+        if isinstance(mod.fn, fx.GraphModule):
+            body = readable_code(mod.fn)
+        else:
+            import inspect
+
+            try:
+                body = inspect.getsource(mod.fn)
+            except (OSError, TypeError):
+                body = repr(mod.fn)
+        path = folder / f"{safe_name(key)}.py"
+        path.write_text(f"# grcompile score_mod {key} (kind={mod.kind!r}), graph {graph_index}\nimport torch\n\n{body}\n")
+        paths.append(path)
+    return paths
+
+
 def emit_artifact(graph_index: int, step: int, label: str, gm: fx.GraphModule) -> None:
     """A structured-trace artifact (TORCH_TRACE / tlparse); free when tracing is off."""
     name = f"grcompile_graph{graph_index}_{step:02d}_{safe_name(label)}"

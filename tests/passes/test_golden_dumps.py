@@ -1,6 +1,6 @@
-"""Golden per-pass dumps of a one-block HSTU: the graph after each pass of the default pipeline,
-as readable Python, must match tests/golden/hstu-1block/ (paths reduced to file names), and each
-pass must fire exactly the expected number of times.
+"""Golden per-pass dumps of a one-block HSTU: the graph after each pass of the default pipeline
+and the captured score_mod, as readable Python, must match tests/golden/hstu-1block/ (paths
+reduced to file names), and each pass must fire exactly the expected number of times.
 
 A change to a pass, a model or the pinned torch shows up here as a readable diff. After checking
 the new graphs by eye, refresh them with ``GRCOMPILE_UPDATE_GOLDEN=1 pytest tests/passes/test_golden_dumps.py``.
@@ -55,9 +55,13 @@ def test_golden_per_pass_dumps_and_match_counts(tmp_path):
     assert fired == MATCH_COUNTS and report.fallbacks == []
 
     update = os.environ.get("GRCOMPILE_UPDATE_GOLDEN") == "1"
-    for stage in STAGES:
-        got = normalise((tmp_path / "graph_0" / f"{stage}.py").read_text())
-        golden = GOLDEN / f"{stage}.py"
+    score_mods = sorted((tmp_path / "graph_0" / "score_mods").glob("*.py"))
+    assert len(score_mods) == 1  # the captured HSTU region: rab gathers, silu, / N
+    for dump in [*(tmp_path / "graph_0" / f"{stage}.py" for stage in STAGES), score_mods[0]]:
+        got = normalise(dump.read_text())
+        name = "score_mod.py" if dump.parent.name == "score_mods" else dump.name
+        golden = GOLDEN / name
+        stage = name[:-3]
         if update:
             golden.parent.mkdir(parents=True, exist_ok=True)
             golden.write_text(got)
