@@ -216,8 +216,14 @@ def _role(leaf: fx.Node, consumer: fx.Node, layouts: dict) -> str:
     raise Unsupported(f"{leaf.name} is broadcast along neither the query nor the key axis", consumer)
 
 
+def _is_broadcast_index(index: Any) -> bool:
+    """An index made of ``None`` / ``:`` / ``...`` only: adds or keeps axes, selects nothing."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in items)
+
+
 def _is_arange(node: fx.Node, N: int) -> bool:
-    while canonical(node) in _SHAPE_ONLY:
+    while canonical(node) in _SHAPE_ONLY or (canonical(node) == "getitem" and _is_broadcast_index(node.args[1])):
         node = node.args[0]
     return canonical(node) == "arange" and len(node.args) == 1 and node.args[0] == N and not (
         set(node.kwargs) - {"device", "dtype", "layout", "pin_memory", "requires_grad"})
@@ -322,6 +328,8 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
             keep = g.call_function(operator.le if op == "tril" else operator.ge, (rel, diagonal))
             zero = False if example(n).dtype == torch.bool else 0
             frame_env[n] = g.call_function(torch.where, (keep, x, zero))
+        elif op == "getitem" and _is_broadcast_index(n.args[1]):  # x[None, :], x[:, None]: a view
+            frame_env[n] = value_of(n.args[0], n)
         elif op == "getitem":
             base, index = n.args[0], n.args[1]
             if base not in table_ph or not isinstance(index, fx.Node):

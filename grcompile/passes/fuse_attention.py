@@ -12,6 +12,8 @@ attention weights moves into the op (a hashed mask from a per-call seed: same di
 other random draws than the eager dropout). Falls back (report: site + reason) when capture or proof fails.
 Invariant: values at every valid query position are unchanged (with attention dropout: in
 distribution, and exactly given the op's mask); padded query positions give 0.
+Attention written with ``einsum`` (a score ``bid,bjd->bij`` or a contraction ``bij,bjd->bid``,
+any letters and batch axes) is first rewritten as permute + matmul (counter ``einsum_as_matmul``).
 Requires ``detect_padding`` to have run.
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ..capture.pass_manager import GraphPass, PassContext
 from ..lowering.score_mod import register_score_mod
 from ..lowering.score_mod_attention import score_mod_attention  # noqa: F401 (registers the op)
 from .attention_capture import Unsupported, capture, prove
-from .detect_padding import PADDING
+from .detect_padding import PADDING, analyse
 from .layout import Pair, Token
 from .op_semantics import canonical, shape_of
 
@@ -69,6 +71,70 @@ def _side_dense(g: fx.Graph, leaf: fx.Node, layout: Token, B: int, N: int) -> fx
     return g.call_method("expand", (y, B, N))
 
 
+def _einsum_as_matmul(g: fx.Graph, node: fx.Node) -> fx.Node | None:
+    """Emit ``einsum(eq, a, b)`` as permute + ``matmul`` when it is one: two operands, one
+    contracted letter, at most one free letter per operand, every other letter a shared batch
+    letter kept in the output (``bid,bjd->bij`` = ``q @ kᵀ``, ``bhij,bhjd->bhid`` = ``A @ v``).
+    Returns the node computing the same tensor, or None (left as einsum)."""
+    equation, operands = node.args[0], node.args[1:]
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    if not isinstance(equation, str) or len(operands) != 2 or "->" not in equation or "." in equation:
+        return None
+    lhs, out = equation.replace(" ", "").split("->")
+    specs = lhs.split(",")
+    if len(specs) != 2 or any(len(set(x)) != len(x) for x in (*specs, out)):
+        return None
+    a, b = specs
+    batch = [c for c in out if c in a and c in b]
+    contract = [c for c in a if c in b and c not in out]
+    free_a, free_b = [c for c in a if c not in b], [c for c in b if c not in a]
+    if len(contract) != 1 or len(free_a) > 1 or len(free_b) > 1 or sorted(out) != sorted(batch + free_a + free_b):
+        return None
+    x, y = operands
+    order_a = [a.index(c) for c in batch + free_a + contract]
+    order_b = [b.index(c) for c in batch + contract + free_b]
+    if order_a != list(range(len(a))):
+        x = g.call_function(torch.permute, (x, order_a))
+    if order_b != list(range(len(b))):
+        y = g.call_function(torch.permute, (y, order_b))
+    if not free_a:
+        x = g.call_method("unsqueeze", (x, -2))
+    if not free_b:
+        y = g.call_method("unsqueeze", (y, -1))
+    m = g.call_function(torch.matmul, (x, y))
+    if not free_b:
+        m = g.call_method("squeeze", (m, -1))
+    if not free_a:
+        m = g.call_method("squeeze", (m, -2))
+    produced = batch + free_a + free_b
+    if produced != list(out):
+        m = g.call_function(torch.permute, (m, [produced.index(c) for c in out]))
+    return m
+
+
+def _normalise_einsums(gm: fx.GraphModule, layouts: dict) -> int:
+    """Rewrite the einsums that build or contract a Pair (scores, ``A @ v``) as matmuls, so
+    attention written with einsum is matched like attention written with ``@``."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if canonical(node) != "einsum" or not (isinstance(layouts.get(node), Pair) or any(
+                isinstance(layouts.get(a), Pair) for a in node.all_input_nodes)):
+            continue
+        before = set(gm.graph.nodes)
+        with gm.graph.inserting_before(node):
+            new = _einsum_as_matmul(gm.graph, node)
+        if new is None:
+            continue
+        for n in set(gm.graph.nodes) - before:  # the new nodes point at the user's einsum line
+            if "stack_trace" in node.meta:
+                n.meta["stack_trace"] = node.meta["stack_trace"]
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        count += 1
+    return count
+
+
 class FuseAttention(GraphPass):
     name = "fuse_attention"
 
@@ -76,6 +142,13 @@ class FuseAttention(GraphPass):
         info = gm.meta.get(PADDING)
         if info is None:
             return
+        rewritten = _normalise_einsums(gm, info.layouts)
+        if rewritten:
+            ctx.count("einsum_as_matmul", rewritten)
+            info = analyse(gm)  # layouts for the new nodes
+            if info is None:
+                return
+            gm.meta[PADDING] = info
         layouts, validity, N, B = info.layouts, set(info.validity), info.seq_len, info.batch
         for node in list(gm.graph.nodes):
             if canonical(node) != "matmul" or not isinstance(layouts.get(node), Token) or \
