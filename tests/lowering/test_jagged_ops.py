@@ -532,6 +532,13 @@ def test_bad_inputs_raise_clear_errors() -> None:
             call(**args, **extra)
     with pytest.raises(KeyError, match="not registered"):
         call(q, k, v, offsets, positions, score_mod="nope-000000000000")
+    for seed, p, message in [(None, 0.3, "needs a seed"), (torch.tensor([1]), 1.0, r"dropout_p must be in \[0, 1\)"),
+                             (torch.tensor([1.0]), 0.3, "seed must be an int64"),
+                             (torch.tensor([1, 2]), 0.3, "seed must be an int64 tensor of one element")]:
+        with pytest.raises(ValueError, match=message):
+            torch.ops.grcompile.jagged_attention(q, k, v, offsets, positions, [], [], [], seed, score_mod="",
+                                                 use_qk=True, activation="softmax", scale=1.0, out_scale=1.0,
+                                                 causal=True, max_len=5, dropout_p=p)
     with pytest.raises(ValueError, match="kind must be one of"):
         lowering.gated_norm(torch.randn(2, 3), None, kind="batch", eps=1e-6)
     with pytest.raises(ValueError, match="u must have the shape"):
