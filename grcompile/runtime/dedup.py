@@ -1,0 +1,123 @@
+"""Row-wise sharded embedding lookup with MTGRBoost's two-stage ID deduplication (§4.3).
+
+A table of ``num_embeddings`` rows lives split over the ranks of a process group (row ``r`` on
+rank ``r % W`` as its local row ``r // W``). A lookup is two all-to-alls: ids to their owners,
+embedding rows back. ``dedup`` picks what is made unique:
+
+* ``"none"``      every id is sent, looked up and sent back;
+* ``"comm"``      stage 1: ``unique`` before the id all-to-all, re-expanded after the embeddings
+  come back (fewer ids *and* fewer embedding rows on the wire — the expensive part);
+* ``"lookup"``    stage 2: ``unique`` of what an owner received (duplicates across senders), so
+  each row is read once, re-expanded before sending back;
+* ``"two_stage"`` both (the default).
+
+Values and gradients are the same in every mode (tested against an unsharded table); the
+embedding all-to-all is ``_functional_collectives.all_to_all_single_autograd`` (differentiable),
+so the shard's gradient arrives through autograd. ``stats`` counts ids and bytes that cross
+ranks (sends to oneself excluded) and rows read from the shard.
+
+TorchRec's own dedup (``use_index_dedup``) needs CUDA-only fbgemm ops; this is the CPU path
+(gloo), written on torch.distributed's collectives.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+DEDUP_MODES = ("none", "comm", "lookup", "two_stage")
+
+
+@dataclass
+class LookupStats:
+    ids_sent: int = 0  # ids this rank sent to other ranks
+    id_bytes: int = 0
+    rows_sent: int = 0  # embedding rows this rank sent back to other ranks
+    embedding_bytes: int = 0
+    rows_read: int = 0  # rows read from the local shard
+    lookups: int = 0  # lookup calls
+
+    def add(self, other: "LookupStats") -> None:
+        for k, v in asdict(other).items():
+            setattr(self, k, getattr(self, k) + v)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class ShardedEmbedding(nn.Module):
+    """``forward(ids [...]) -> [..., dim]`` over a row-wise sharded table (see module docstring).
+
+    ``weight`` (this rank's rows) is an ``nn.Parameter``; ``full_weight`` (optional, the same on
+    every rank) initialises the shards, e.g. to compare with an unsharded table."""
+
+    def __init__(self, num_embeddings: int, dim: int, *, name: str = "embedding", dedup: str = "two_stage",
+                 group: Optional[dist.ProcessGroup] = None, full_weight: Optional[torch.Tensor] = None) -> None:
+        super().__init__()
+        if dedup not in DEDUP_MODES:
+            raise ValueError(f"dedup must be one of {DEDUP_MODES}, got {dedup!r}")
+        self.num_embeddings, self.dim, self.name, self.dedup, self.group = num_embeddings, dim, name, dedup, group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if full_weight is None:
+            full_weight = torch.randn(num_embeddings, dim) * 0.02
+        if tuple(full_weight.shape) != (num_embeddings, dim):
+            raise ValueError(f"{name}: full_weight must be [{num_embeddings}, {dim}], got {tuple(full_weight.shape)}")
+        self.weight = nn.Parameter(full_weight[self.rank::self.world].clone())
+        self.stats = LookupStats()
+
+    def check(self, ids: torch.Tensor) -> None:
+        """Raised on this rank before any collective, so the other ranks are not left waiting
+        (they fail at their own check or time out on the collective, never read garbage)."""
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{self.name}: ids must be an int64 (or int32) tensor, got "
+                             f"{getattr(ids, 'dtype', type(ids).__name__)}")
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.num_embeddings:
+                raise ValueError(f"{self.name}: ids must lie in [0, {self.num_embeddings}), got values in [{lo}, {hi}]")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.check(ids)
+        W, D = self.world, self.dim
+        flat = ids.reshape(-1).long()
+        stage1 = self.dedup in ("comm", "two_stage")
+        stage2 = self.dedup in ("lookup", "two_stage")
+        send, inverse = torch.unique(flat, return_inverse=True) if stage1 else (flat, None)
+        owner = send % W
+        order = torch.argsort(owner, stable=True)
+        send = send[order]
+        send_counts = torch.bincount(owner, minlength=W)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        recv = send.new_empty(int(recv_counts.sum()))
+        send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
+        dist.all_to_all_single(recv, send, recv_split, send_split, group=self.group)
+
+        local = recv // W
+        if stage2:
+            rows_needed, back = torch.unique(local, return_inverse=True)
+            rows = self.weight[rows_needed][back]
+        else:
+            rows_needed = local
+            rows = self.weight[local]
+        group = self.group if self.group is not None else dist.group.WORLD
+        got = wait_tensor(all_to_all_single_autograd(rows, send_split, recv_split, group))
+        emb = got[torch.argsort(order)]  # back to the order of `send` before sorting by owner
+        if inverse is not None:
+            emb = emb[inverse]
+
+        element = self.weight.element_size()
+        mine_out, mine_back = send_split[self.rank], recv_split[self.rank]
+        self.stats.add(LookupStats(
+            ids_sent=len(send) - mine_out, id_bytes=(len(send) - mine_out) * send.element_size(),
+            rows_sent=len(recv) - mine_back, embedding_bytes=(len(recv) - mine_back) * D * element,
+            rows_read=int(rows_needed.numel()), lookups=1))
+        return emb.view(*ids.shape, D)
+
+
+__all__ = ["DEDUP_MODES", "LookupStats", "ShardedEmbedding"]
