@@ -31,6 +31,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--num-negatives", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--group-size", type=int, default=None,
+                   help="hierarchical sparse parallelism: all-to-alls within groups of this many ranks, "
+                        "sparse gradient sync across groups")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -38,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _worker(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
     from grcompile.data import TrainLoader, get_dataset
     from grcompile.runtime import DEDUP_MODES, ShardedEmbedding
+    from grcompile.runtime.hsp import HSPEmbedding
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.nproc)
@@ -56,13 +60,21 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, results) -> Non
         full = torch.randn(ds.num_items + 1, args.dim, generator=torch.Generator().manual_seed(args.seed)) * 0.02
         out = {}
         for mode in DEDUP_MODES:
-            emb = ShardedEmbedding(ds.num_items + 1, args.dim, name="item_id", dedup=mode, full_weight=full)
+            if args.group_size:
+                emb = HSPEmbedding(ds.num_items + 1, args.dim, group_size=args.group_size, name="item_id",
+                                   dedup=mode, full_weight=full)
+            else:
+                emb = ShardedEmbedding(ds.num_items + 1, args.dim, name="item_id", dedup=mode, full_weight=full)
             dist.barrier()
             t0 = time.perf_counter()
             for ids in batches:
                 emb(ids).sum().backward()
+                if args.group_size:
+                    emb.sync_gradients()
+                    emb.weight.grad = None
+            sync = emb.sync_stats.embedding_bytes if args.group_size else 0
             out[mode] = {**emb.stats.as_dict(), "lookup_ms": (time.perf_counter() - t0) * 1e3,
-                         "ids_looked_up": sum(len(b) for b in batches)}
+                         "ids_looked_up": sum(len(b) for b in batches), "sync_bytes": sync}
         results[rank] = out
     finally:
         dist.destroy_process_group()
@@ -75,20 +87,22 @@ def main(argv=None) -> int:
         mp.spawn(_worker, args=(args, os.path.join(tmp, "init"), results), nprocs=args.nproc, join=True)
         per_rank = dict(results)
     modes = list(per_rank[0])
-    keys = ["ids_looked_up", "ids_sent", "id_bytes", "rows_sent", "embedding_bytes", "rows_read"]
+    keys = ["ids_looked_up", "ids_sent", "id_bytes", "rows_sent", "embedding_bytes", "rows_read", "sync_bytes"]
     summary = {}
     for mode in modes:
         summary[mode] = {k: sum(per_rank[r][mode][k] for r in per_rank) / args.steps for k in keys}
         summary[mode]["lookup_ms"] = max(per_rank[r][mode]["lookup_ms"] for r in per_rank) / args.steps
     base = summary["none"]
-    print(f"{args.nproc} gloo ranks, global batch {args.batch_size}, max_len {args.max_len}, dim {args.dim}; "
+    hsp = f", HSP groups of {args.group_size}" if args.group_size else ""
+    print(f"{args.nproc} gloo ranks{hsp}, global batch {args.batch_size}, max_len {args.max_len}, dim {args.dim}; "
           f"per step, summed over ranks (lookup time: slowest rank, fwd+bwd)")
     print(f"{'mode':10s} {'ids':>9s} {'ids sent':>9s} {'rows sent':>10s} {'emb MB':>8s} {'rows read':>10s} "
-          f"{'vs none':>8s} {'lookup ms':>10s}")
+          f"{'vs none':>8s} {'sync MB':>8s} {'lookup ms':>10s}")
     for mode, s in summary.items():
         ratio = s["embedding_bytes"] / base["embedding_bytes"] if base["embedding_bytes"] else float("nan")
         print(f"{mode:10s} {s['ids_looked_up']:9.0f} {s['ids_sent']:9.0f} {s['rows_sent']:10.0f} "
-              f"{s['embedding_bytes'] / 2**20:8.2f} {s['rows_read']:10.0f} {ratio:7.2f}x {s['lookup_ms']:10.1f}")
+              f"{s['embedding_bytes'] / 2**20:8.2f} {s['rows_read']:10.0f} {ratio:7.2f}x {s['sync_bytes'] / 2**20:8.2f} "
+              f"{s['lookup_ms']:10.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "per_step": summary, "per_rank": per_rank}, f, indent=1)
