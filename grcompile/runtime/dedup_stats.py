@@ -83,7 +83,7 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, results) -> Non
 def main(argv=None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        results = mp.Manager().dict()
+        results = mp.get_context("spawn").Manager().dict()
         mp.spawn(_worker, args=(args, os.path.join(tmp, "init"), results), nprocs=args.nproc, join=True)
         per_rank = dict(results)
     modes = list(per_rank[0])

@@ -56,8 +56,7 @@ def _worker(rank: int, world: int, init_file: str, results: dict) -> None:
 def test_sharded_lookup_all_dedup_modes_exact_and_two_stage_moves_less():
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
-        manager = mp.Manager()
-        results = manager.dict()
+        results = mp.get_context("spawn").Manager().dict()
         mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), results), nprocs=world, join=True)
         stats = dict(results)
     for rank in range(world):

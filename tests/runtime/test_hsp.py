@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, init_file: str, results) -> None:
 def test_hsp_gradients_are_the_centralized_ones():
     world = 4
     with tempfile.TemporaryDirectory() as tmp:
-        results = mp.Manager().dict()
+        results = mp.get_context("spawn").Manager().dict()
         mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), results), nprocs=world, join=True)
         out = dict(results)
     assert torch.equal(out[0][0], out[2][0]) and torch.equal(out[1][0], out[3][0])  # replicas agree exactly
