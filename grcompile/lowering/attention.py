@@ -297,28 +297,31 @@ _COMPILED_CHUNKS: dict[tuple, Callable] = {}
 COMPILE_CHUNKS = os.environ.get("GRCOMPILE_COMPILE_CHUNKS", "1") != "0"
 
 
-def _chunk_kernel(mod, *, dtype: torch.dtype, use_qk: bool, activation: str, scale: float, out_scale: float,
-                  causal: bool, dropout: bool) -> Callable:
-    """``_chunk_attention`` with its options bound, compiled by inductor once per option set
-    (dynamic shapes): the score_mod, mask and activation become one fused loop instead of a
-    dozen eager passes over ``[n, H, Lq, Lk]`` (2x on the HSTU backward at ML-1M size).
+def _chunk_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activation: str, scale: float,
+                  out_scale: float, causal: bool, dropout_p: float) -> Callable:
+    """``_chunk_attention`` with its options (and ``dropout_p``, as a 0-d tensor) bound, compiled by
+    inductor once per option set (dynamic shapes): the score_mod, mask and activation become one
+    fused loop instead of a dozen eager passes over ``[n, H, Lq, Lk]`` (2x on the HSTU backward at
+    ML-1M size). The forward and the recomputing backward get the same kernel from here.
 
     Each option set gets its own copy of the code object, so Dynamo's per-code cache (and its
     recompile limit, 8: enough for the 0/1-size specialisations) is not shared by unrelated
     score_mods. ``GRCOMPILE_COMPILE_CHUNKS=0`` (or ``COMPILE_CHUNKS = False``) runs the plain eager
     chunk instead."""
+    mod = get_score_mod(score_mod) if score_mod else None
+    p = torch.tensor(dropout_p, dtype=torch.float64)
     options = dict(mod=mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
-                   dropout=dropout)
+                   dropout=dropout_p > 0)
     if not COMPILE_CHUNKS:
-        return functools.partial(_chunk_attention, **options)
-    key = (mod.key if mod is not None else "", dtype, use_qk, activation, scale, out_scale, causal, dropout)
+        return functools.partial(_chunk_attention, dropout_p=p, **options)
+    key = (score_mod, dtype, use_qk, activation, scale, out_scale, causal, dropout_p > 0)
     fn = _COMPILED_CHUNKS.get(key)
     if fn is None:
         code = _chunk_attention.__code__
         own = types.FunctionType(code.replace(co_name=f"{code.co_name}_{len(_COMPILED_CHUNKS)}"),
                                  _chunk_attention.__globals__, code.co_name)
         fn = _COMPILED_CHUNKS[key] = torch.compile(functools.partial(own, **options), dynamic=True)
-    return fn
+    return functools.partial(fn, dropout_p=p)
 
 
 def _gather_heads(x: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -337,16 +340,14 @@ def _attention_reference(q, k, v, offsets, positions, q_side, k_side, tables, se
     T, H, dv = q.shape[0], q.shape[1], v.shape[2]
     offs = _check_values(offsets, positions, T, max_len)
     out = torch.zeros(T, H, dv, dtype=q.dtype, device=q.device)
-    mod = get_score_mod(score_mod) if score_mod else None
     cdtype = _compute_dtype(q.dtype)
-    kernel = _chunk_kernel(mod, dtype=cdtype, use_qk=use_qk, activation=activation, scale=scale,
-                           out_scale=out_scale, causal=causal, dropout=dropout_p > 0)
-    p_tensor = torch.tensor(dropout_p, dtype=torch.float64)
+    kernel = _chunk_kernel(score_mod, dtype=cdtype, use_qk=use_qk, activation=activation, scale=scale,
+                           out_scale=out_scale, causal=causal, dropout_p=dropout_p)
     with torch.no_grad():
         for qi, qv, ki, kv in _chunks(offs, H, causal, q.device):
             o = kernel(_gather_heads(q, qi, cdtype), _gather_heads(k, ki, cdtype), _gather_heads(v, ki, cdtype),
                        positions[qi], positions[ki], kv, [t[qi] for t in q_side], [t[ki] for t in k_side], tables,
-                       qi, ki, seed, p_tensor)
+                       qi, ki, seed)
             out.index_copy_(0, qi[qv], o.transpose(1, 2)[qv].to(q.dtype))
     return out
 
@@ -374,16 +375,14 @@ def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side,
                                   score_mod, use_qk, activation, scale, out_scale, causal, max_len, dropout_p=0.0):
     H = q.shape[1]
     offs = offsets.tolist()
-    mod = get_score_mod(score_mod) if score_mod else None
     cdtype = _compute_dtype(q.dtype)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     d_qs = [torch.zeros_like(t) if t.is_floating_point() else _grad_placeholder(t) for t in q_side]
     d_ks = [torch.zeros_like(t) if t.is_floating_point() else _grad_placeholder(t) for t in k_side]
     table_leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tables]
     d_tables = [torch.zeros_like(t) if t.is_floating_point() else _grad_placeholder(t) for t in tables]
-    kernel = _chunk_kernel(mod, dtype=cdtype, use_qk=use_qk, activation=activation, scale=scale,
-                           out_scale=out_scale, causal=causal, dropout=dropout_p > 0)
-    p_tensor = torch.tensor(dropout_p, dtype=torch.float64)
+    kernel = _chunk_kernel(score_mod, dtype=cdtype, use_qk=use_qk, activation=activation, scale=scale,
+                           out_scale=out_scale, causal=causal, dropout_p=dropout_p)
     for qi, qv, ki, kv in _chunks(offs, H, causal, q.device):
         with _autograd_reenabled():
             qb = _gather_heads(q, qi, cdtype).detach().requires_grad_(use_qk)
@@ -391,7 +390,7 @@ def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side,
             vb = _gather_heads(v, ki, cdtype).detach().requires_grad_()
             qs = [t[qi].detach().requires_grad_(t.is_floating_point()) for t in q_side]
             ks = [t[ki].detach().requires_grad_(t.is_floating_point()) for t in k_side]
-            o = kernel(qb, kb, vb, positions[qi], positions[ki], kv, qs, ks, table_leaves, qi, ki, seed, p_tensor)
+            o = kernel(qb, kb, vb, positions[qi], positions[ki], kv, qs, ks, table_leaves, qi, ki, seed)
             go = torch.where(qv[:, :, None, None], grad_out[qi].to(cdtype), 0.0).transpose(1, 2)
             leaves = [x for x in [qb, kb, vb, *qs, *ks, *table_leaves] if x.requires_grad]
             grads = iter(torch.autograd.grad(o, leaves, go, allow_unused=True))

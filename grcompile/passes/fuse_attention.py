@@ -29,7 +29,7 @@ from ..lowering.score_mod_attention import score_mod_attention  # noqa: F401 (re
 from .attention_capture import Unsupported, capture, prove
 from .detect_padding import PADDING, analyse
 from .layout import Pair, Token
-from .op_semantics import canonical, shape_of
+from .op_semantics import canonical, einsum_parts, shape_of
 
 
 def _to_bnhd(g: fx.Graph, x: fx.Node, layout: Token, seq: int, feature: int) -> fx.Node:
@@ -76,14 +76,11 @@ def _einsum_as_matmul(g: fx.Graph, node: fx.Node) -> fx.Node | None:
     contracted letter, at most one free letter per operand, every other letter a shared batch
     letter kept in the output (``bid,bjd->bij`` = ``q @ kᵀ``, ``bhij,bhjd->bhid`` = ``A @ v``).
     Returns the node computing the same tensor, or None (left as einsum)."""
-    equation, operands = node.args[0], node.args[1:]
-    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-        operands = tuple(operands[0])
-    if not isinstance(equation, str) or len(operands) != 2 or "->" not in equation or "." in equation:
+    parts = einsum_parts(node)
+    if parts is None or len(parts[2]) != 2:
         return None
-    lhs, out = equation.replace(" ", "").split("->")
-    specs = lhs.split(",")
-    if len(specs) != 2 or any(len(set(x)) != len(x) for x in (*specs, out)):
+    specs, out, operands = parts
+    if any(len(set(x)) != len(x) for x in (*specs, out)):
         return None
     a, b = specs
     batch = [c for c in out if c in a and c in b]

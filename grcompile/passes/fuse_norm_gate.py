@@ -21,14 +21,15 @@ import torch.fx as fx
 
 from ..capture.pass_manager import GraphPass, PassContext
 from ..lowering import norm as _norm  # noqa: F401 (registers grcompile::gated_norm)
-from .op_semantics import arg, canonical, refresh_example_values
+from .op_semantics import arg, canonical, example, refresh_example_values
 
 _KINDS = {"layer_norm": "layer", "rms_norm": "rms"}
 _EXACT_DTYPES = (torch.float32, torch.float64)
 
 
 def _example(node) -> torch.Tensor | None:
-    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+    """The node's example tensor (None for constants, missing values and non-tensors)."""
+    value = example(node) if isinstance(node, fx.Node) else None
     return value if isinstance(value, torch.Tensor) else None
 
 

@@ -12,13 +12,12 @@ cannot confuse them. An unknown op yields ``None``: the safe answer.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch.fx as fx
 
-from .op_semantics import arg, canonical, shape_of
+from .op_semantics import arg, canonical, einsum_parts, shape_of
 
 
 @dataclass(frozen=True)
@@ -166,16 +165,10 @@ def _getitem(layout: Token | Pair, index: Any, in_shape: tuple[int, ...], out_nd
 
 
 def _einsum(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
-    equation = node.args[0]
-    operands = node.args[1:]
-    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-        operands = tuple(operands[0])
-    if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+    parts = einsum_parts(node)
+    if parts is None:
         return None
-    lhs, out = equation.replace(" ", "").split("->")
-    specs = lhs.split(",")
-    if len(specs) != len(operands) or not re.fullmatch(r"[a-zA-Z]*", out):
-        return None
+    specs, out, operands = parts
     roles: dict[str, str] = {}
     seq_letters: list[str] = []
     for spec, operand in zip(specs, operands):

@@ -7,6 +7,7 @@ node's arguments through ``arg(node, i, name)``, so one rule covers every spelli
 from __future__ import annotations
 
 import operator
+import re
 from typing import Any
 
 import torch
@@ -114,6 +115,22 @@ def example(value: Any) -> Any:
     if isinstance(value, fx.Node):
         return value.meta.get("example_value", value.meta.get("val"))
     return value
+
+
+def einsum_parts(node: fx.Node) -> tuple[list[str], str, tuple] | None:
+    """``(input specs, output spec, operands)`` of an explicit ``einsum(eq, *operands)`` node
+    (operands passed separately or as one list), or None for an implicit output, an ellipsis, or
+    specs that do not match the operands."""
+    equation, operands = node.args[0], tuple(node.args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    if not isinstance(equation, str) or "." in equation or "->" not in equation:
+        return None
+    lhs, out = equation.replace(" ", "").split("->")
+    specs = lhs.split(",")
+    if len(specs) != len(operands) or not all(re.fullmatch(r"[a-zA-Z]*", x) for x in (*specs, out)):
+        return None
+    return specs, out, operands
 
 
 def shape_of(value: Any) -> tuple[int, ...] | None:

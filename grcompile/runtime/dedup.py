@@ -29,6 +29,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
+from .ids import require_int_ids
+
 DEDUP_MODES = ("none", "comm", "lookup", "two_stage")
 
 
@@ -73,9 +75,7 @@ class ShardedEmbedding(nn.Module):
     def check(self, ids: torch.Tensor) -> None:
         """Raised on this rank before any collective, so the other ranks are not left waiting
         (they fail at their own check or time out on the collective, never read garbage)."""
-        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"{self.name}: ids must be an int64 (or int32) tensor, got "
-                             f"{getattr(ids, 'dtype', type(ids).__name__)}")
+        require_int_ids(self.name, ids)
         if ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= self.num_embeddings:

@@ -24,6 +24,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from .ids import require_int_ids
+
 EMPTY = -1
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio multiplier as a signed int64
 
@@ -140,9 +142,7 @@ class DynamicEmbedding(nn.Module):
 
     # ------------------------------------------------------------------ public
     def check(self, ids: torch.Tensor) -> None:
-        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"{self.name}: ids must be an int64 (or int32) tensor, got "
-                             f"{getattr(ids, 'dtype', type(ids).__name__)}")
+        require_int_ids(self.name, ids)
         if ids.numel() and int(ids.min()) < 0:
             raise ValueError(f"{self.name}: ids must be >= 0 (negative ids are reserved), got {int(ids.min())}")
 

@@ -17,6 +17,13 @@ from typing import Sequence
 import torch
 
 
+def require_int_ids(label: str, ids) -> None:
+    """The dtype check every id consumer makes first; ``label`` names the feature or table."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{label}: ids must be an int64 (or int32) tensor, got "
+                         f"{getattr(ids, 'dtype', type(ids).__name__)}")
+
+
 def tag_bits(num_tables: int) -> int:
     if num_tables < 1:
         raise ValueError(f"num_tables must be >= 1, got {num_tables}")
@@ -37,9 +44,7 @@ class TableTags:
     def check(self, feature: str, ids: torch.Tensor) -> None:
         if feature not in self.features:
             raise ValueError(f"unknown feature {feature!r}; known: {self.features}")
-        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"feature {feature!r}: ids must be an int64 (or int32) tensor, got "
-                             f"{getattr(ids, 'dtype', type(ids).__name__)}")
+        require_int_ids(f"feature {feature!r}", ids)
         if ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0:
@@ -57,4 +62,4 @@ class TableTags:
         return global_ids >> self.shift, global_ids & self.max_id
 
 
-__all__ = ["TableTags", "tag_bits"]
+__all__ = ["TableTags", "require_int_ids", "tag_bits"]
