@@ -26,12 +26,27 @@ class SequentialEncoder(nn.Module):
         with torch.no_grad():
             self.item_embedding.weight[config.pad_id].zero_()
         self.input_dropout = nn.Dropout(config.dropout)
+        if config.num_categories:
+            # Side information as many catalogues have it: each item's category (a fixed hash here),
+            # its own padded embedding, added to the item's.
+            C = config.num_categories
+            self.category_embedding = nn.Embedding(C + 1, D, padding_idx=config.pad_id)
+            nn.init.trunc_normal_(self.category_embedding.weight, std=0.02)
+            with torch.no_grad():
+                self.category_embedding.weight[config.pad_id].zero_()
+            items = torch.arange(config.num_items + 1)
+            category = 1 + (items * 2654435761) % C
+            self.register_buffer("item_category", torch.where(items == config.pad_id, config.pad_id, category),
+                                 persistent=False)
 
     def forward(self, ids: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
         B, N = ids.shape
         valid = ids != self.config.pad_id
         positions = torch.arange(N, device=ids.device)
-        x = self.item_embedding(ids) * math.sqrt(self.config.embedding_dim)
+        x = self.item_embedding(ids)
+        if self.config.num_categories:
+            x = x + self.category_embedding(self.item_category[ids])
+        x = x * math.sqrt(self.config.embedding_dim)
         x = x + self.position_embedding(positions).unsqueeze(0)
         x = self.input_dropout(x) * valid.unsqueeze(-1)
         x = self.encode(x, valid, timestamps)

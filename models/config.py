@@ -18,6 +18,7 @@ class ModelConfig:
     num_time_buckets: int = 128  # time table holds num_time_buckets + 1 weights
     ffn_dim: int = 0  # FuXi SwiGLU / SASRec FFN hidden width; 0 = embedding_dim
     pad_id: int = 0
+    num_categories: int = 0  # > 0: a second sparse feature, the item's category (side information)
 
     def __post_init__(self) -> None:
         if self.ffn_dim == 0:

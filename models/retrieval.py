@@ -24,6 +24,11 @@ class SampledSoftmaxRetrieval(nn.Module):
         self.encoder = encoder
         self.temperature = temperature
 
+    def count_targets(self, ids: torch.Tensor) -> int:
+        """How many positions of ``ids`` the loss averages over (to weight a slice of a batch)."""
+        pad = self.encoder.config.pad_id
+        return int(((ids[:, :-1] != pad) & (ids[:, 1:] != pad)).sum())
+
     def forward(self, ids: torch.Tensor, timestamps: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
         pad = self.encoder.config.pad_id
         user = self.encoder(ids, timestamps)[:, :-1]  # [B, N-1, D]

@@ -25,6 +25,12 @@ def _register(name: str, *targets: Any, methods: tuple[str, ...] = ()) -> None:
         _METHODS[m] = name
 
 
+def register_embedding_like(*targets: Any) -> None:
+    """Ops called as ``op(ids, ...) -> [*ids.shape, D]``, row-wise in the ids (the sparse runtime's
+    lookup): layout and the jagged rewrite treat them as ``F.embedding``."""
+    _register("embedding", *targets)
+
+
 # comparisons and logic
 _register("ne", operator.ne, torch.ne, torch.not_equal, methods=("ne", "__ne__", "not_equal"))
 _register("eq", operator.eq, torch.eq, methods=("eq", "__eq__"))

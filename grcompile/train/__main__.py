@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 from models import PRESETS
 
 from ..data import DATASETS
 from .config import TrainConfig
 from .loop import train
+from .parallel import SPARSE_OPTIMIZERS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,18 +46,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=1, help="validate every N epochs")
     p.add_argument("--k-core", type=int, default=0, help="k-core filter for MovieLens (0: none)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--dropout", type=float, default=None, help="default: the preset's")
+    p.add_argument("--embedding-dim", type=int, default=None, help="default: the preset's")
+    p.add_argument("--num-blocks", type=int, default=None, help="default: the preset's")
+    p.add_argument("--num-categories", type=int, default=0,
+                   help="add an item-category feature (a second sparse table feature) with this many categories")
     p.add_argument("--synthetic-users", type=int, default=None)
     p.add_argument("--synthetic-items", type=int, default=None)
     p.add_argument("--json", type=Path, default=None, help="write config, losses and metrics here")
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="checkpoint every epoch here")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
     p.add_argument("--no-progress", action="store_true")
+    d = p.add_argument_group("distributed (launch with torchrun --nproc-per-node N -m grcompile.train ...)")
+    d.add_argument("--sharding", choices=("row", "table", "column", "auto"), default=None,
+                   help="shard the sparse tables (TorchRec planner; auto: the planner decides); "
+                        "default: one process, or auto under torchrun")
+    d.add_argument("--sparse-backend", choices=("torchrec", "native"), default="torchrec",
+                   help="native: row-wise tables on torch.distributed (Adam-stepped shards, HSP)")
+    d.add_argument("--dedup", choices=("none", "comm", "lookup", "two_stage"), default="two_stage",
+                   help="ID dedup before the id all-to-all (comm), on the owner (lookup), or both")
+    d.add_argument("--hsp-group-size", type=int, default=None,
+                   help="hierarchical sparse parallelism: tables sharded within groups of this many ranks")
+    d.add_argument("--sparse-optimizer", choices=SPARSE_OPTIMIZERS, default=None,
+                   help="optimizer of the sparse tables (default: adam in one process, sgd when sharded on "
+                        "TorchRec, whose CPU kernels have no fused Adam)")
+    d.add_argument("--sparse-lr", type=float, default=None, help="default: --lr")
+    d.add_argument("--checkpoint-every", type=int, default=None, help="also checkpoint every N steps")
+    d.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection (tests)
     return p.parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     synthetic = {k: v for k, v in (("num_users", args.synthetic_users), ("num_items", args.synthetic_items))
                  if v is not None}
+    overrides = {k: v for k, v in (("dropout", args.dropout), ("num_blocks", args.num_blocks),
+                                   ("embedding_dim", args.embedding_dim),
+                                   ("num_categories", args.num_categories or None)) if v is not None}
+    sharding = args.sharding or ("auto" if _launched_distributed() else None)
+    if args.hsp_group_size and args.sparse_backend != "native":
+        raise SystemExit("--hsp-group-size runs on --sparse-backend native (TorchRec's DMPCollection is CUDA-only)")
+    sparse_optimizer = args.sparse_optimizer or ("sgd" if sharding and args.sparse_backend == "torchrec" else "adam")
     if args.preset not in PRESETS[args.model]:
         raise SystemExit(f"--preset {args.preset!r} unknown; choose from {sorted(PRESETS[args.model])}")
     return TrainConfig(model=args.model, preset=args.preset, data=args.data, compile=args.compile,
@@ -60,13 +93,30 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, max_len=args.max_len,
                        seed=args.seed, lr=args.lr, weight_decay=args.weight_decay, temperature=args.temperature,
                        num_negatives=args.num_negatives, negatives=args.negatives, patience=args.patience, eval_every=args.eval_every,
-                       k_core=args.k_core, threads=args.threads, synthetic=synthetic)
+                       k_core=args.k_core, threads=args.threads, synthetic=synthetic, sharding=sharding,
+                       sparse_backend=args.sparse_backend, dedup=args.dedup, hsp_group_size=args.hsp_group_size,
+                       sparse_optimizer=sparse_optimizer, sparse_lr=args.sparse_lr,
+                       checkpoint_every=args.checkpoint_every, model_overrides=overrides)
+
+
+def _launched_distributed() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    result = train(config_from_args(args), checkpoint_dir=args.checkpoint_dir, resume=args.resume,
-                   progress=not args.no_progress)
+    config = config_from_args(args)
+    if config.sharding is not None and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)  # torchrun's env:// rendezvous (one process: set it up yourself)
+    try:
+        result = train(config, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
+                       progress=not args.no_progress, fail_at_step=args.fail_at_step)
+    finally:
+        if dist.is_initialized() and config.sharding is not None:
+            dist.destroy_process_group()
+    if config.sharding is not None and int(os.environ.get("RANK", "0")) != 0:
+        return result
     metrics = {k: round(result[k], 4) for k in ("hr@10", "hr@50", "hr@200", "ndcg@10", "ndcg@200", "mrr")}
     print(f"[grcompile.train] test {json.dumps(metrics)}  best epoch {result['best_epoch']}, "
           f"{result['epochs_run']:.2f} epochs ({result['stop_reason']}), "

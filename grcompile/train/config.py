@@ -27,6 +27,14 @@ class TrainConfig:
     eval_every: int = 1
     k_core: int = 0
     threads: int | None = None
+    # distributed (torchrun): None = one process; row | table | column | auto shards the sparse tables
+    sharding: str | None = None
+    sparse_backend: str = "torchrec"  # or "native" (row-wise on torch.distributed; HSP)
+    dedup: str = "two_stage"  # none | comm | lookup | two_stage
+    hsp_group_size: int | None = None  # hierarchical sparse parallelism (native backend)
+    sparse_optimizer: str = "adam"  # adam (same as dense) | sgd | adagrad | rowwise_adagrad
+    sparse_lr: float | None = None  # None: lr
+    checkpoint_every: int | None = None  # steps between checkpoints (besides every epoch's end)
     synthetic: dict[str, Any] = field(default_factory=dict)  # SyntheticConfig overrides
     model_overrides: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides
 

@@ -2,8 +2,9 @@
 stopping on NDCG@10, test metrics of the best validation state."""
 from __future__ import annotations
 
-import copy
 import math
+import os
+import signal
 import time
 from typing import Any
 
@@ -17,6 +18,7 @@ from ..data import EvalLoader, TrainLoader, get_dataset
 from . import checkpoint
 from .config import TrainConfig
 from .metrics import evaluate
+from .parallel import Parallel, StepTiming, load_distributed, make_optimizers, save_distributed
 
 
 def build(config: TrainConfig):
@@ -32,10 +34,17 @@ def build(config: TrainConfig):
 
 
 def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: bool = False,
-          progress: bool = True, log=print) -> dict[str, Any]:
+          progress: bool = True, log=print, fail_at_step: int | None = None) -> dict[str, Any]:
+    """Train, validate every ``eval_every`` epochs, test the best state. Under torchrun with
+    ``config.sharding`` the sparse tables are sharded (``parallel.py``); ``fail_at_step`` kills the
+    last rank at that step (fault injection for the resume tests)."""
     if config.threads:
         torch.set_num_threads(config.threads)
     ds, split, encoder, task = build(config)
+    parallel = Parallel.setup(task, config, log)
+    leader = parallel.rank == 0
+    log = log if leader else (lambda *a, **k: None)
+    progress = progress and leader
     max_len = encoder.config.max_len
     if config.negatives not in ("per-position", "per-row"):
         raise ValueError(f"negatives must be 'per-position' or 'per-row', got {config.negatives!r}")
@@ -43,36 +52,46 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
                          per_position=config.negatives == "per-position")
     valid_loader = EvalLoader(split.valid, config.eval_batch_size, max_len)
     test_loader = EvalLoader(split.test, config.eval_batch_size, max_len)
-    optimizer = torch.optim.Adam(task.parameters(), lr=config.lr, betas=(0.9, 0.98),
-                                 weight_decay=config.weight_decay)
+    optimizers = make_optimizers(task, config, parallel)
 
     from ..modes import apply_compile_mode, describe_mode
     step_fn = apply_compile_mode(task, config.compile)
-    log(f"[grcompile.train] {config.model}/{config.preset} on {ds.name}: {len(split.train)} users, "
+    where = f" on {parallel.world} ranks, sharding {config.sharding}" if parallel.distributed else ""
+    log(f"[grcompile.train] {config.model}/{config.preset} on {ds.name}{where}: {len(split.train)} users, "
         f"{ds.num_items} items, max_len {max_len}, {len(loader)} steps/epoch; {describe_mode(step_fn)}")
 
     state: dict[str, Any] = dict(epoch=0, step_in_epoch=0, global_step=0, losses=[], valid_history=[],
                                  best_metric=-math.inf, best_epoch=-1, best_state=None, bad_epochs=0,
                                  train_seconds=0.0, valid_tokens=0)
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.seed + 1_000_003 * parallel.rank)  # rank 0 keeps the one-process stream
     if resume:
         if checkpoint_dir is None:
             raise ValueError("--resume needs --checkpoint-dir")
-        saved = checkpoint.load(checkpoint_dir)
+        if parallel.distributed:
+            saved = load_distributed(checkpoint_dir, parallel, task, optimizers)
+        else:
+            saved = checkpoint.load(checkpoint_dir)
+            task.load_state_dict(saved["model"])
+            for opt, sd in zip(optimizers, saved["optimizers"]):
+                opt.load_state_dict(sd)
         if saved["config"] != _resume_key(config):
             raise ValueError("--resume: the checkpoint was written by a run with a different config")
-        task.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        torch.set_rng_state(saved["rng"])
+        if saved["rng"] is not None:
+            torch.set_rng_state(saved["rng"])
         state = saved["state"]
         log(f"[grcompile.train] resumed at epoch {state['epoch']} step {state['step_in_epoch']}")
 
     def save_checkpoint() -> None:
-        if checkpoint_dir is not None:
-            checkpoint.save(checkpoint_dir, dict(config=_resume_key(config), model=task.state_dict(),
-                                                 optimizer=optimizer.state_dict(), rng=torch.get_rng_state(),
-                                                 state=state))
+        if checkpoint_dir is None:
+            return
+        extra = dict(config=_resume_key(config), state=state)
+        if parallel.distributed:
+            save_distributed(checkpoint_dir, parallel, task, optimizers, extra)
+        else:
+            checkpoint.save(checkpoint_dir, dict(model=task.state_dict(), optimizers=[o.state_dict() for o in optimizers],
+                                                 rng=torch.get_rng_state(), **extra))
 
+    timing = StepTiming(parallel)
     started = time.perf_counter() - state["train_seconds"]
     stop_reason = "epochs"
     task.train()
@@ -82,14 +101,23 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
                    desc=f"epoch {epoch}", disable=not progress, mininterval=2.0, leave=False)
         epoch_start, epoch_tokens, stopped = time.perf_counter(), 0, False
         for batch in bar:
-            optimizer.zero_grad(set_to_none=True)
-            loss = step_fn(batch["ids"], batch["timestamps"], batch["negatives"])
+            if fail_at_step is not None and state["global_step"] == fail_at_step and parallel.rank == parallel.world - 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # a rank dies mid-run, no goodbye
+            timing.begin()
+            parallel.begin_step()
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            local = parallel.local(batch)
+            loss = step_fn(local["ids"], local["timestamps"], local["negatives"]) * parallel.loss_weight(task, batch, local)
             loss.backward()
-            optimizer.step()
+            parallel.sync_gradients(task)
+            for opt in optimizers:
+                opt.step()
+            timing.end()
             tokens = int((batch["ids"] != 0).sum())
             epoch_tokens += tokens
             state["valid_tokens"] += tokens
-            state["losses"].append(float(loss.detach()))
+            state["losses"].append(parallel.global_loss(loss))
             state["global_step"] += 1
             state["step_in_epoch"] += 1
             bar.set_postfix(loss=f"{state['losses'][-1]:.4f}",
@@ -100,6 +128,9 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
             if config.max_minutes is not None and time.perf_counter() - started > 60 * config.max_minutes:
                 stop_reason, stopped = "max_minutes", True
                 break
+            if config.checkpoint_every and state["global_step"] % config.checkpoint_every == 0:
+                state["train_seconds"] = time.perf_counter() - started
+                save_checkpoint()
         bar.close()
         state["train_seconds"] = time.perf_counter() - started
         if stopped:
@@ -113,7 +144,7 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
             improved = metrics["ndcg@10"] > state["best_metric"]
             if improved:
                 state.update(best_metric=metrics["ndcg@10"], best_epoch=epoch + 1, bad_epochs=0,
-                             best_state=copy.deepcopy(task.state_dict()))
+                             best_state=parallel.snapshot(task))
             else:
                 state["bad_epochs"] += config.eval_every
             recent = state["losses"][-len(loader):]
@@ -127,13 +158,14 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
             break
 
     if state["best_state"] is not None:
-        task.load_state_dict(state["best_state"])
+        parallel.restore(task, state["best_state"])
     test = evaluate(encoder, test_loader)
     epochs_done = state["epoch"] + state["step_in_epoch"] / len(loader)
     result = {
         "config": config.to_dict(),
         "dataset": ds.name,
         "num_items": ds.num_items,
+        "world_size": parallel.world,
         "losses": state["losses"],
         "final_loss": state["losses"][-1] if state["losses"] else None,
         **{k: v for k, v in test.items() if k != "examples"},
@@ -147,13 +179,16 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         "minutes_per_epoch": state["train_seconds"] / 60 / max(epochs_done, 1e-9),
         "tokens_per_s": state["valid_tokens"] / max(state["train_seconds"], 1e-9),
         "compile_mode": describe_mode(step_fn),
+        "step_time_ms": timing.summary(),
     }
+    if parallel.distributed:
+        result["sparse_stats"] = parallel.runtime.tables.stats.as_dict()
     return result
 
 
 def _resume_key(config: TrainConfig) -> dict[str, Any]:
     """The config minus the fields a resumed run may change (where to stop)."""
     key = config.to_dict()
-    for field in ("epochs", "steps", "max_minutes", "threads"):
+    for field in ("epochs", "steps", "max_minutes", "threads", "sharding", "dedup", "checkpoint_every"):
         key.pop(field)
     return key

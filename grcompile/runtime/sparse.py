@@ -1,0 +1,313 @@
+"""The embedding rewrite and the sparse runtime behind it.
+
+``shard_embeddings(model, ...)`` finds the model's sparse features (``features.py``: every
+``nn.Embedding`` with a ``padding_idx``, or as configured), merges them into tables, moves their
+weights into a table backend, and replaces each module by a ``SparseFeature`` that calls
+``grcompile::sparse_lookup`` (``lookup_op.py``). The model's code is untouched; it still calls
+``self.item_embedding(ids)`` on padded ``[B, N]`` ids.
+
+Per lookup the runtime (``SparseRuntime.forward``):
+  1. checks the ids (dtype, range) — on this rank, before any collective, naming the feature;
+  2. keeps the valid ids only (``ids != padding_idx``: no work and no bytes for padding);
+  3. stage-1 dedup (``comm`` / ``two_stage``): ``unique`` before anything leaves the rank;
+  4. looks the rows up in the backend (offset into the merged table) — the backend does the
+     id all-to-all, stage-2 dedup on the owner (``lookup`` / ``two_stage``), the embedding
+     all-to-all;
+  5. re-expands and scatters into ``[*ids.shape, D]`` with the original padding row at padding.
+The lookup's autograd graph is kept until ``backward(feature, ids, grad)`` runs it.
+
+Backends (``Tables``): ``LocalTables`` (one process, plain parameters), ``NativeTables``
+(row-wise ``ShardedEmbedding`` / ``HSPEmbedding`` on torch.distributed; dense-gradient shards, any
+torch optimizer), ``TorchRecTables`` (``torchrec_tables.py``: DistributedModelParallel
+EmbeddingCollection, planner sharding, fused optimizer).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .dedup import DEDUP_MODES, LookupStats, ShardedEmbedding
+from .features import FeatureConfig, TablePlan, find_sparse_features, plan_tables
+from .ids import require_int_ids
+from .lookup_op import register_runtime
+
+
+class Tables(nn.Module):
+    """A backend: ``lookup(table, rows [n]) -> [n, D]`` differentiable into the table's storage."""
+
+    stage2: bool = False
+
+    def __init__(self, plan: TablePlan) -> None:
+        super().__init__()
+        self.plan = plan
+        self.stats = LookupStats()
+
+    def lookup(self, table: str, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load_full(self, table: str, weight: torch.Tensor) -> None:
+        """Set the whole table (the same tensor on every rank)."""
+        raise NotImplementedError
+
+    def full(self, table: str) -> torch.Tensor:
+        """The whole table, gathered (collective on sharded backends)."""
+        raise NotImplementedError
+
+    def after_backward(self) -> None:
+        """Called after ``loss.backward()``, before the optimizer step (HSP's gradient sync)."""
+
+    def sparse_parameters(self) -> list[nn.Parameter]:
+        """Parameters a torch optimizer must step (empty when the backend's optimizer is fused)."""
+        return list(self.parameters())
+
+
+class LocalTables(Tables):
+    """One process: a parameter per merged table."""
+
+    def __init__(self, plan: TablePlan) -> None:
+        super().__init__(plan)
+        self.weights = nn.ParameterDict({name: nn.Parameter(torch.zeros(t.num_rows, t.dim, dtype=t.dtype))
+                                         for name, t in plan.tables.items()})
+
+    def lookup(self, table: str, rows: torch.Tensor) -> torch.Tensor:
+        self.stats.add(LookupStats(rows_read=rows.numel(), lookups=1))
+        return self.weights[table][rows]
+
+    @torch.no_grad()
+    def load_full(self, table: str, weight: torch.Tensor) -> None:
+        self.weights[table].copy_(weight)
+
+    def full(self, table: str) -> torch.Tensor:
+        return self.weights[table].detach().clone()
+
+
+class NativeTables(Tables):
+    """Row-wise sharded tables on torch.distributed (``dedup.py``), optionally hierarchical (``hsp.py``)."""
+
+    def __init__(self, plan: TablePlan, *, stage2: bool, group_size: Optional[int] = None) -> None:
+        super().__init__(plan)
+        self.stage2 = stage2
+        mode = "lookup" if stage2 else "none"  # stage 1 is done by the runtime
+        tables = {}
+        for name, t in plan.tables.items():
+            if group_size:
+                from .hsp import HSPEmbedding
+
+                tables[name] = HSPEmbedding(t.num_rows, t.dim, group_size=group_size, name=name, dedup=mode,
+                                            full_weight=torch.zeros(t.num_rows, t.dim, dtype=t.dtype))
+            else:
+                tables[name] = ShardedEmbedding(t.num_rows, t.dim, name=name, dedup=mode,
+                                                full_weight=torch.zeros(t.num_rows, t.dim, dtype=t.dtype))
+        self.tables = nn.ModuleDict(tables)
+        self.hsp = bool(group_size)
+
+    def lookup(self, table: str, rows: torch.Tensor) -> torch.Tensor:
+        module = self.tables[table]
+        before = LookupStats(**module.stats.as_dict())
+        out = module(rows)
+        delta = LookupStats(**{k: v - getattr(before, k) for k, v in module.stats.as_dict().items()})
+        self.stats.add(delta)
+        return out
+
+    def _shard(self, table: str) -> ShardedEmbedding:
+        module = self.tables[table]
+        return module.table if self.hsp else module
+
+    @torch.no_grad()
+    def load_full(self, table: str, weight: torch.Tensor) -> None:
+        shard = self._shard(table)
+        shard.weight.copy_(weight[shard.rank::shard.world])
+
+    @torch.no_grad()
+    def full(self, table: str) -> torch.Tensor:
+        shard = self._shard(table)
+        t = self.plan.tables[table]
+        per_rank = math.ceil(t.num_rows / shard.world)
+        padded = torch.zeros(per_rank, t.dim, dtype=shard.weight.dtype)
+        padded[:shard.weight.shape[0]] = shard.weight
+        gathered = [torch.empty_like(padded) for _ in range(shard.world)]
+        dist.all_gather(gathered, padded, group=shard.group)
+        out = torch.empty(t.num_rows, t.dim, dtype=padded.dtype)
+        for r, part in enumerate(gathered):
+            out[r::shard.world] = part[:len(range(r, t.num_rows, shard.world))]
+        return out
+
+    def after_backward(self) -> None:
+        if self.hsp:
+            for module in self.tables.values():
+                module.sync_gradients()
+
+
+class SparseRuntime:
+    """Owns the tables and the in-flight lookups of one rewritten model (see module docstring)."""
+
+    def __init__(self, plan: TablePlan, tables: Tables, *, dedup: str = "two_stage",
+                 pad_rows: Optional[dict[str, torch.Tensor]] = None) -> None:
+        if dedup not in DEDUP_MODES:
+            raise ValueError(f"dedup must be one of {DEDUP_MODES}, got {dedup!r}")
+        self.plan, self.tables, self.dedup = plan, tables, dedup
+        self.pad_rows = pad_rows or {}
+        self.handle = register_runtime(self)
+        self.seconds = {"forward": 0.0, "backward": 0.0}  # wall time inside the lookups and their backward
+        self._in_flight: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    # -- checks ---------------------------------------------------------------------------------
+    def check(self, feature: str, ids: torch.Tensor) -> None:
+        f = self.plan.features[feature]
+        require_int_ids(f"feature {feature!r}", ids)
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= f.num_embeddings:
+                raise ValueError(f"feature {feature!r}: ids must lie in [0, {f.num_embeddings}), "
+                                 f"got values in [{lo}, {hi}]")
+
+    # -- lookup ---------------------------------------------------------------------------------
+    def forward(self, feature: str, ids: torch.Tensor, *, keep_graph: bool) -> torch.Tensor:
+        start = time.perf_counter()
+        try:
+            return self._forward(feature, ids, keep_graph)
+        finally:
+            self.seconds["forward"] += time.perf_counter() - start
+
+    def _forward(self, feature: str, ids: torch.Tensor, keep_graph: bool) -> torch.Tensor:
+        self.check(feature, ids)
+        f = self.plan.features[feature]
+        flat = ids.reshape(-1).long()
+        valid = flat != f.pad if f.pad is not None else None
+        rows = (flat[valid] if valid is not None else flat) + f.offset
+        if self.dedup in ("comm", "two_stage"):
+            unique, inverse = torch.unique(rows, return_inverse=True)
+            values = self.tables.lookup(f.table, unique)[inverse]
+        else:
+            values = self.tables.lookup(f.table, rows)
+        if keep_graph and values.requires_grad:
+            self._in_flight.setdefault(feature, []).append((ids.detach().clone(), values))
+        values = values.detach()
+        if valid is None:
+            return values.view(*ids.shape, f.dim)
+        out = self.pad_rows.get(feature, values.new_zeros(f.dim)).to(values.dtype).expand(flat.numel(), f.dim).clone()
+        out[valid] = values
+        return out.view(*ids.shape, f.dim)
+
+    def backward(self, feature: str, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        start = time.perf_counter()
+        try:
+            self._backward(feature, ids, grad)
+        finally:
+            self.seconds["backward"] += time.perf_counter() - start
+
+    def _backward(self, feature: str, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        pending = self._in_flight.get(feature, [])
+        for i, (saved_ids, values) in enumerate(pending):
+            if saved_ids.shape == ids.shape and torch.equal(saved_ids, ids):
+                del pending[i]
+                break
+        else:
+            raise RuntimeError(f"feature {feature!r}: backward of a lookup that is not in flight "
+                               f"(was the forward run under torch.no_grad(), or backward called twice?)")
+        f = self.plan.features[feature]
+        flat_grad = grad.reshape(-1, f.dim)
+        if f.pad is not None:
+            flat_grad = flat_grad[ids.reshape(-1) != f.pad]
+        values.backward(flat_grad.to(values.dtype))
+
+    def new_step(self) -> None:
+        """Drop lookups whose backward never came (a forward under grad whose loss was not used)."""
+        self._in_flight.clear()
+
+    def in_flight(self) -> int:
+        return sum(len(v) for v in self._in_flight.values())
+
+    def full_weight(self, feature: str) -> torch.Tensor:
+        f = self.plan.features[feature]
+        return self.tables.full(f.table)[f.offset:f.offset + f.num_embeddings]
+
+
+class SparseFeature(nn.Module):
+    """Stands where the user's ``nn.Embedding`` stood: ``forward(ids) -> [*ids.shape, D]``."""
+
+    def __init__(self, runtime: SparseRuntime, feature: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.feature, self.handle = feature, runtime.handle
+        spec = runtime.plan.features[feature]
+        self.num_embeddings, self.embedding_dim, self.padding_idx = spec.num_embeddings, spec.dim, spec.pad
+        # Makes the op's output require grad (ids are integers); its gradient is always zero.
+        self.anchor = nn.Parameter(torch.zeros((), dtype=dtype))
+        object.__setattr__(self, "runtime", runtime)  # not a submodule: the tables hang off the root
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        keep_graph = self.training and torch.is_grad_enabled()
+        return torch.ops.grcompile.sparse_lookup(ids, self.anchor, self.handle, self.feature, keep_graph)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table as a lookup of every id, so code reading ``.weight`` (full-catalogue
+        scoring) still trains the rows it touches. Costs a lookup of the whole table."""
+        return self(torch.arange(self.num_embeddings, device=self.anchor.device))
+
+    def extra_repr(self) -> str:
+        return f"{self.feature!r}, {self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}"
+
+
+TABLES_ATTR = "grcompile_sparse_tables"
+
+
+def shard_embeddings(model: nn.Module, *, backend: str = "local", features: Sequence[FeatureConfig] = (),
+                     dedup: str = "two_stage", sharding: str = "auto", group_size: Optional[int] = None,
+                     fused_optimizer: Optional[dict] = None, log=None) -> SparseRuntime:
+    """Rewrite ``model`` in place (see module docstring) and return its runtime.
+
+    ``backend``: ``local`` | ``native`` (row-wise, HSP with ``group_size``) | ``torchrec``
+    (``sharding`` row | table | column | auto, ``fused_optimizer`` e.g. ``{"type": "sgd", "lr": 0.1}``).
+    Every rank must call it with the same model (same initial weights)."""
+    found = find_sparse_features(model, features)
+    if not found:
+        raise ValueError("no sparse feature found: no nn.Embedding has a padding_idx (name modules with "
+                         "FeatureConfig to shard others)")
+    plan = plan_tables(found)
+    modules = dict(model.named_modules())
+    weights = {f.name: modules[f.module].weight.detach() for f in found}
+    if backend == "local":
+        tables: Tables = LocalTables(plan)
+    elif backend == "native":
+        if sharding not in ("row", "auto"):
+            raise ValueError(f"backend 'native' shards row-wise only, got sharding {sharding!r}")
+        tables = NativeTables(plan, stage2=dedup in ("lookup", "two_stage"), group_size=group_size)
+    elif backend == "torchrec":
+        if group_size:
+            raise ValueError("hierarchical sparse parallelism (group_size) runs on backend 'native' on CPU "
+                             "(TorchRec's DMPCollection is CUDA-only)")
+        from .torchrec_tables import TorchRecTables
+
+        tables = TorchRecTables(plan, sharding=sharding, stage2=dedup in ("lookup", "two_stage"),
+                                fused_optimizer=fused_optimizer or {"type": "sgd", "lr": 0.01})
+    else:
+        raise ValueError(f"backend must be 'local', 'native' or 'torchrec', got {backend!r}")
+    for name, spec in plan.tables.items():
+        tables.load_full(name, torch.cat([weights[f] for f in spec.features]))
+    pad_rows = {f.name: weights[f.name][f.pad].clone() for f in found if f.pad is not None}
+    runtime = SparseRuntime(plan, tables, dedup=dedup, pad_rows=pad_rows)
+    for f in found:
+        parent_name, _, attr = f.module.rpartition(".")
+        parent = modules[parent_name] if parent_name else model
+        setattr(parent, attr, SparseFeature(runtime, f.name, f.dtype))
+    setattr(model, TABLES_ATTR, tables)
+    if log is not None:
+        log(f"[grcompile.runtime] {backend} sparse tables (dedup {dedup}):\n{plan.describe()}")
+    return runtime
+
+
+def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters a data-parallel all-reduce syncs: everything but the sparse tables."""
+    tables = getattr(model, TABLES_ATTR, None)
+    skip = {id(p) for p in tables.parameters()} if tables is not None else set()
+    return [p for p in model.parameters() if id(p) not in skip]
+
+
+__all__ = ["LocalTables", "NativeTables", "SparseFeature", "SparseRuntime", "Tables", "dense_parameters",
+           "shard_embeddings"]

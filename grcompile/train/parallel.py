@@ -1,0 +1,240 @@
+"""What the training loop does differently on N ranks: sparse tables sharded by the runtime, the
+dense part data-parallel, every rank on its slice of the global batch.
+
+Equal to one process step by step (tested): each rank's loss is its slice's *sum* over the global
+number of targets (``count_targets`` of the whole batch, known to every rank without communication),
+so the sparse gradients — summed by the embedding all-to-all's backward — and the dense gradients —
+summed here by one all-reduce — are exactly the single-process gradients of the global mean.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..runtime.features import find_sparse_features
+from ..runtime.sparse import TABLES_ATTR, SparseRuntime, dense_parameters, shard_embeddings
+from .config import TrainConfig
+
+SPARSE_OPTIMIZERS = ("adam", "sgd", "adagrad", "rowwise_adagrad")
+
+
+@dataclass
+class Parallel:
+    world: int = 1
+    rank: int = 0
+    runtime: Optional[SparseRuntime] = None
+    seconds: dict[str, float] = field(default_factory=lambda: {"dense_all_reduce": 0.0, "hsp_sync": 0.0})
+
+    @property
+    def distributed(self) -> bool:
+        return self.runtime is not None
+
+    @classmethod
+    def setup(cls, task: nn.Module, config: TrainConfig, log=print) -> "Parallel":
+        if config.sharding is None:
+            return cls()
+        if not dist.is_initialized():
+            raise RuntimeError("--sharding needs torch.distributed: launch with torchrun (or init a process group)")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if config.batch_size % world:
+            raise ValueError(f"--batch-size {config.batch_size} (global) must be a multiple of the {world} ranks")
+        if config.sparse_backend == "torchrec" and config.sparse_optimizer == "adam":
+            raise ValueError("TorchRec's CPU kernels have no fused Adam: pick --sparse-optimizer sgd, adagrad or "
+                             "rowwise_adagrad (or --sparse-backend native, which steps its shards with Adam)")
+        fused = {"type": config.sparse_optimizer, "lr": config.sparse_lr or config.lr}
+        runtime = shard_embeddings(task, backend=config.sparse_backend, dedup=config.dedup, sharding=config.sharding,
+                                   group_size=config.hsp_group_size, fused_optimizer=fused,
+                                   log=log if rank == 0 else None)
+        if rank == 0 and hasattr(runtime.tables, "describe"):
+            log(f"[grcompile.train] sharding plan: {runtime.tables.describe()}")
+        return cls(world=world, rank=rank, runtime=runtime)
+
+    def begin_step(self) -> None:
+        if self.runtime is not None:
+            self.runtime.new_step()
+
+    # -- data -----------------------------------------------------------------------------------
+    def local(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not self.distributed:
+            return batch
+        B = batch["ids"].shape[0]
+        rows = slice(self.rank * B // self.world, (self.rank + 1) * B // self.world)
+        return {k: v[rows] for k, v in batch.items()}
+
+    def loss_weight(self, task: nn.Module, batch: dict, local: dict) -> float:
+        """Multiply the slice's mean loss by this to get its share of the global mean."""
+        if not self.distributed:
+            return 1.0
+        return task.count_targets(local["ids"]) / max(task.count_targets(batch["ids"]), 1)
+
+    # -- gradients ------------------------------------------------------------------------------
+    def sync_gradients(self, task: nn.Module) -> None:
+        if not self.distributed:
+            return
+        import time
+
+        t0 = time.perf_counter()
+        self.runtime.tables.after_backward()
+        t1 = time.perf_counter()
+        params = [p for p in dense_parameters(task) if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        for p, chunk in zip(params, flat.split([g.numel() for g in grads])):
+            p.grad = chunk.view_as(p)
+        self.seconds["hsp_sync"] += t1 - t0
+        self.seconds["dense_all_reduce"] += time.perf_counter() - t1
+
+    # -- best-state snapshots (tables gathered whole: any world size can restore them) ----------
+    def snapshot(self, task: nn.Module) -> dict[str, Any]:
+        if not self.distributed:
+            return copy.deepcopy(task.state_dict())
+        dense = {k: v.detach().clone() for k, v in task.state_dict().items() if not k.startswith(TABLES_ATTR)}
+        return {"dense": dense, "tables": {t: self.runtime.tables.full(t) for t in self.runtime.plan.tables}}
+
+    def restore(self, task: nn.Module, snapshot: dict[str, Any]) -> None:
+        if not self.distributed:
+            task.load_state_dict(snapshot)
+            return
+        task.load_state_dict(snapshot["dense"], strict=False)
+        for name, weight in snapshot["tables"].items():
+            self.runtime.tables.load_full(name, weight)
+
+    def global_loss(self, weighted_loss: torch.Tensor) -> float:
+        value = weighted_loss.detach().clone()
+        if self.distributed:
+            dist.all_reduce(value)
+        return float(value)
+
+
+class StepTiming:
+    """Per-step wall time split into the sparse lookups (TorchRec backend: id all-to-all, table
+    lookup, embedding all-to-all), the sparse backward (embedding all-to-all backward + table
+    update), the gradient syncs, and the rest — the dense forward/backward and optimizer step."""
+
+    def __init__(self, parallel: Parallel) -> None:
+        self.parallel = parallel
+        self.steps: list[dict[str, float]] = []
+
+    def _counters(self) -> dict[str, float]:
+        p = self.parallel
+        out = dict(p.seconds)
+        if p.runtime is not None:
+            out.update({f"sparse_{k}": v for k, v in p.runtime.seconds.items()})
+            out.update(getattr(p.runtime.tables, "seconds", {}))
+        return out
+
+    def begin(self) -> None:
+        self._start, self._before = time.perf_counter(), self._counters()
+
+    def end(self) -> None:
+        total = time.perf_counter() - self._start
+        step = {k: v - self._before.get(k, 0.0) for k, v in self._counters().items()}
+        step["total"] = total
+        spent = sum(v for k, v in step.items() if k in ("sparse_forward", "sparse_backward", "dense_all_reduce", "hsp_sync"))
+        step["dense_compute_and_optimizer"] = total - spent
+        self.steps.append(step)
+
+    def summary(self, warmup: int = 2) -> dict[str, float]:
+        """Mean milliseconds per step after ``warmup`` steps (compilation happens there)."""
+        steps = self.steps[warmup:] if len(self.steps) > warmup else self.steps
+        if not steps:
+            return {}
+        return {k: 1e3 * sum(s[k] for s in steps) / len(steps) for k in steps[0]} | {"steps_measured": len(steps)}
+
+
+def make_optimizers(task: nn.Module, config: TrainConfig, parallel: Parallel) -> list[torch.optim.Optimizer]:
+    """Adam for the dense part; the sparse tables get ``config.sparse_optimizer`` (``adam``: the same
+    Adam; on TorchRec the optimizer is fused into the backward and not listed here)."""
+    if config.sparse_optimizer not in SPARSE_OPTIMIZERS:
+        raise ValueError(f"sparse optimizer must be one of {SPARSE_OPTIMIZERS}, got {config.sparse_optimizer!r}")
+    adam = dict(lr=config.lr, betas=(0.9, 0.98), weight_decay=config.weight_decay)
+    if config.sparse_optimizer == "adam":
+        return [torch.optim.Adam(task.parameters(), **adam)]
+    if parallel.distributed:
+        sparse = parallel.runtime.tables.sparse_parameters()
+        dense = dense_parameters(task)
+    else:
+        modules = dict(task.named_modules())
+        sparse = [modules[f.module].weight for f in find_sparse_features(task)]
+        dense = [p for p in task.parameters() if all(p is not s for s in sparse)]
+    optimizers: list[torch.optim.Optimizer] = [torch.optim.Adam(dense, **adam)]
+    if sparse:
+        lr = config.sparse_lr or config.lr
+        if config.sparse_optimizer == "sgd":
+            optimizers.append(torch.optim.SGD(sparse, lr=lr))
+        elif config.sparse_optimizer == "adagrad":
+            optimizers.append(torch.optim.Adagrad(sparse, lr=lr))
+        else:
+            raise ValueError("rowwise_adagrad is TorchRec's fused optimizer: use --sparse-backend torchrec")
+    return optimizers
+
+
+# -- checkpoints (torch.distributed.checkpoint) ----------------------------------------------------
+LATEST = "LATEST"
+
+
+def _sharded_state(parallel: Parallel) -> dict[str, Any]:
+    tables = parallel.runtime.tables
+    if not hasattr(tables, "dmp"):
+        raise NotImplementedError(f"distributed checkpoints are written for the TorchRec backend "
+                                  f"(sharded tensors); backend {type(tables).__name__} has none yet")
+    return {"tables": tables.dmp.state_dict(), "fused_optimizer": tables.fused_optimizer.state_dict()}
+
+
+def save_distributed(directory: str | os.PathLike, parallel: Parallel, task: nn.Module,
+                     optimizers: list, extra: dict[str, Any]) -> Path:
+    """One checkpoint per call: sharded tables + fused optimizer state through DCP (any later world
+    size or sharding can load them), the replicated dense part from rank 0, each rank's RNG.
+    Written under a temporary name and renamed when every rank is done: never a torn checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(directory)
+    name = f"step_{extra['state']['global_step']}"
+    tmp = root / (name + ".tmp")
+    dcp.save(_sharded_state(parallel), checkpoint_id=str(tmp))
+    torch.save(torch.get_rng_state(), tmp / f"rng_{parallel.rank}_of_{parallel.world}.pt")
+    if parallel.rank == 0:
+        dense = {k: v for k, v in task.state_dict().items() if not k.startswith(TABLES_ATTR)}
+        torch.save({"model": dense, "optimizers": [o.state_dict() for o in optimizers], **extra}, tmp / "dense.pt")
+    dist.barrier()
+    if parallel.rank == 0:
+        os.replace(tmp, root / name)
+        (root / (LATEST + ".tmp")).write_text(name)
+        os.replace(root / (LATEST + ".tmp"), root / LATEST)
+    dist.barrier()
+    return root / name
+
+
+def load_distributed(directory: str | os.PathLike, parallel: Parallel, task: nn.Module,
+                     optimizers: list) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(directory)
+    if not (root / LATEST).exists():
+        raise FileNotFoundError(f"--resume: no distributed checkpoint in {root}")
+    path = root / (root / LATEST).read_text().strip()
+    state = _sharded_state(parallel)
+    dcp.load(state, checkpoint_id=str(path))
+    parallel.runtime.tables.fused_optimizer.load_state_dict(state["fused_optimizer"])
+    saved = torch.load(path / "dense.pt", map_location="cpu", weights_only=False)
+    missing, unexpected = task.load_state_dict(saved["model"], strict=False)
+    bad = [k for k in missing if not k.startswith(TABLES_ATTR)] + list(unexpected)
+    if bad:
+        raise ValueError(f"--resume: checkpoint does not match the model: {bad[:5]}")
+    for opt, sd in zip(optimizers, saved["optimizers"]):
+        opt.load_state_dict(sd)
+    rng = path / f"rng_{parallel.rank}_of_{parallel.world}.pt"
+    saved["rng"] = torch.load(rng) if rng.exists() else None  # another world size: fresh streams
+    return saved
+
+
+__all__ = ["Parallel", "SPARSE_OPTIMIZERS", "StepTiming", "load_distributed", "make_optimizers", "save_distributed"]
