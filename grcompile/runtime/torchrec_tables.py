@@ -98,9 +98,12 @@ class TorchRecTables(Tables):
         planner = EmbeddingShardingPlanner(topology=Topology(world_size=self.world, compute_device="cpu"),
                                            constraints=constraints)
         self.sharding_plan = planner.collective_plan(ec, [sharder], dist.group.WORLD)
-        self.dmp = DistributedModelParallel(ec, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                            device=torch.device("cpu"), sharders=[sharder], plan=self.sharding_plan)
-        self.sharded = self.dmp.module
+        dmp = DistributedModelParallel(ec, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                       device=torch.device("cpu"), sharders=[sharder], plan=self.sharding_plan)
+        # Kept out of the module tree: DMP expects to be the root — as a submodule its state_dict hooks
+        # rename every key of the enclosing model. Checkpoints take ``dmp.state_dict()`` explicitly.
+        object.__setattr__(self, "dmp", dmp)
+        object.__setattr__(self, "sharded", dmp.module)
         if stage2:
             for lookup in self.sharded._lookups:
                 for emb_op in getattr(lookup, "_emb_modules", []):

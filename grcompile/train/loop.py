@@ -18,7 +18,8 @@ from ..data import EvalLoader, TrainLoader, get_dataset
 from . import checkpoint
 from .config import TrainConfig
 from .metrics import evaluate
-from .parallel import Parallel, StepTiming, load_distributed, make_optimizers, save_distributed
+from ..runtime.features import find_sparse_features
+from .parallel import Parallel, StepTiming, dense_state, load_distributed, make_optimizers, save_distributed
 
 
 def build(config: TrainConfig):
@@ -34,10 +35,12 @@ def build(config: TrainConfig):
 
 
 def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: bool = False,
-          progress: bool = True, log=print, fail_at_step: int | None = None) -> dict[str, Any]:
+          progress: bool = True, log=print, fail_at_step: int | None = None,
+          return_weights: bool = False) -> dict[str, Any]:
     """Train, validate every ``eval_every`` epochs, test the best state. Under torchrun with
     ``config.sharding`` the sparse tables are sharded (``parallel.py``); ``fail_at_step`` kills the
-    last rank at that step (fault injection for the resume tests)."""
+    last rank at that step (fault injection for the resume tests); ``return_weights`` adds the final
+    sparse feature tables (``feature_weights``) and dense state (``dense_weights``) to the result."""
     if config.threads:
         torch.set_num_threads(config.threads)
     ds, split, encoder, task = build(config)
@@ -95,7 +98,9 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
     started = time.perf_counter() - state["train_seconds"]
     stop_reason = "epochs"
     task.train()
-    while state["epoch"] < config.epochs:
+    if config.steps is not None and state["global_step"] >= config.steps:
+        stop_reason = "steps"  # a resumed run that is already there: evaluate only
+    while state["epoch"] < config.epochs and stop_reason == "epochs":
         epoch = state["epoch"]
         bar = tqdm(loader.iterate(epoch, state["step_in_epoch"]), total=len(loader), initial=state["step_in_epoch"],
                    desc=f"epoch {epoch}", disable=not progress, mininterval=2.0, leave=False)
@@ -181,8 +186,14 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         "compile_mode": describe_mode(step_fn),
         "step_time_ms": timing.summary(),
     }
+    if return_weights:
+        result["feature_weights"] = parallel.feature_weights(task)
+        result["dense_weights"] = {k: v for k, v in dense_state(task).items()
+                                   if k not in {f"{f.module}.weight" for f in find_sparse_features(task)}}
     if parallel.distributed:
         result["sparse_stats"] = parallel.runtime.tables.stats.as_dict()
+        result["table_checksums"] = {t: float(parallel.runtime.tables.full(t).double().abs().sum())
+                                     for t in parallel.runtime.plan.tables}
     return result
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,16 +98,22 @@ class Parallel:
     def snapshot(self, task: nn.Module) -> dict[str, Any]:
         if not self.distributed:
             return copy.deepcopy(task.state_dict())
-        dense = {k: v.detach().clone() for k, v in task.state_dict().items() if not k.startswith(TABLES_ATTR)}
-        return {"dense": dense, "tables": {t: self.runtime.tables.full(t) for t in self.runtime.plan.tables}}
+        return {"dense": dense_state(task), "tables": {t: self.runtime.tables.full(t) for t in self.runtime.plan.tables}}
 
     def restore(self, task: nn.Module, snapshot: dict[str, Any]) -> None:
         if not self.distributed:
             task.load_state_dict(snapshot)
             return
-        task.load_state_dict(snapshot["dense"], strict=False)
+        load_dense(task, snapshot["dense"])
         for name, weight in snapshot["tables"].items():
             self.runtime.tables.load_full(name, weight)
+
+    def feature_weights(self, task: nn.Module) -> dict[str, torch.Tensor]:
+        """Every sparse feature's whole table (gathered on every rank when sharded)."""
+        if not self.distributed:
+            modules = dict(task.named_modules())
+            return {f.name: modules[f.module].weight.detach().clone() for f in find_sparse_features(task)}
+        return {name: self.runtime.full_weight(name) for name in self.runtime.plan.features}
 
     def global_loss(self, weighted_loss: torch.Tensor) -> float:
         value = weighted_loss.detach().clone()
@@ -178,6 +185,22 @@ def make_optimizers(task: nn.Module, config: TrainConfig, parallel: Parallel) ->
     return optimizers
 
 
+def dense_state(task: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in task.state_dict().items() if not k.startswith(TABLES_ATTR)}
+
+
+@torch.no_grad()
+def load_dense(task: nn.Module, dense: dict[str, torch.Tensor]) -> None:
+    """Copy the replicated part in place (``load_state_dict`` would run TorchRec's hooks, which
+    want the sharded tables in the same dict)."""
+    current = {k: v for k, v in task.state_dict(keep_vars=True).items() if not k.startswith(TABLES_ATTR)}
+    if current.keys() != dense.keys():
+        raise ValueError(f"checkpoint does not match the model: differing keys "
+                         f"{sorted(current.keys() ^ dense.keys())[:5]}")
+    for k, v in current.items():
+        v.copy_(dense[k])
+
+
 # -- checkpoints (torch.distributed.checkpoint) ----------------------------------------------------
 LATEST = "LATEST"
 
@@ -187,11 +210,21 @@ def _sharded_state(parallel: Parallel) -> dict[str, Any]:
     if not hasattr(tables, "dmp"):
         raise NotImplementedError(f"distributed checkpoints are written for the TorchRec backend "
                                   f"(sharded tensors); backend {type(tables).__name__} has none yet")
-    return {"tables": tables.dmp.state_dict(), "fused_optimizer": tables.fused_optimizer.state_dict()}
+    # Loaded in place: the local shards of these sharded tensors are views of the TBE weights and
+    # optimizer states. A rank without a shard (table-wise) has empty containers, which DCP would
+    # take for missing leaves: pruned.
+    return _prune_empty({"tables": tables.dmp.state_dict(), "fused_optimizer": tables.fused_optimizer.state_dict()})
+
+
+def _prune_empty(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        pruned = {k: _prune_empty(v) for k, v in tree.items()}
+        return {k: v for k, v in pruned.items() if not (isinstance(v, dict) and not v)}
+    return tree
 
 
 def save_distributed(directory: str | os.PathLike, parallel: Parallel, task: nn.Module,
-                     optimizers: list, extra: dict[str, Any]) -> Path:
+                     optimizers: list, extra: dict[str, Any], keep: int = 2) -> Path:
     """One checkpoint per call: sharded tables + fused optimizer state through DCP (any later world
     size or sharding can load them), the replicated dense part from rank 0, each rank's RNG.
     Written under a temporary name and renamed when every rank is done: never a torn checkpoint."""
@@ -203,13 +236,15 @@ def save_distributed(directory: str | os.PathLike, parallel: Parallel, task: nn.
     dcp.save(_sharded_state(parallel), checkpoint_id=str(tmp))
     torch.save(torch.get_rng_state(), tmp / f"rng_{parallel.rank}_of_{parallel.world}.pt")
     if parallel.rank == 0:
-        dense = {k: v for k, v in task.state_dict().items() if not k.startswith(TABLES_ATTR)}
-        torch.save({"model": dense, "optimizers": [o.state_dict() for o in optimizers], **extra}, tmp / "dense.pt")
+        torch.save({"model": dense_state(task), "optimizers": [o.state_dict() for o in optimizers], **extra}, tmp / "dense.pt")
     dist.barrier()
     if parallel.rank == 0:
         os.replace(tmp, root / name)
         (root / (LATEST + ".tmp")).write_text(name)
         os.replace(root / (LATEST + ".tmp"), root / LATEST)
+        steps = sorted((int(p.name.split("_")[1]), p) for p in root.glob("step_*") if p.name.split("_")[1].isdigit())
+        for _, old in steps[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return root / name
 
@@ -224,12 +259,8 @@ def load_distributed(directory: str | os.PathLike, parallel: Parallel, task: nn.
     path = root / (root / LATEST).read_text().strip()
     state = _sharded_state(parallel)
     dcp.load(state, checkpoint_id=str(path))
-    parallel.runtime.tables.fused_optimizer.load_state_dict(state["fused_optimizer"])
     saved = torch.load(path / "dense.pt", map_location="cpu", weights_only=False)
-    missing, unexpected = task.load_state_dict(saved["model"], strict=False)
-    bad = [k for k in missing if not k.startswith(TABLES_ATTR)] + list(unexpected)
-    if bad:
-        raise ValueError(f"--resume: checkpoint does not match the model: {bad[:5]}")
+    load_dense(task, saved["model"])
     for opt, sd in zip(optimizers, saved["optimizers"]):
         opt.load_state_dict(sd)
     rng = path / f"rng_{parallel.rank}_of_{parallel.world}.pt"
