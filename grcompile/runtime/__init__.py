@@ -1,8 +1,12 @@
-"""Distributed embedding runtime (issue 4, in progress): merged-table id tags, row-wise sharded
-lookups with two-stage ID deduplication on torch.distributed (gloo on CPU), and a dynamic
-hash-table embedding."""
+"""Distributed embedding runtime: the embedding rewrite (padded ``nn.Embedding`` → sharded jagged
+lookups over merged tables, ``sparse.py``), TorchRec / native / local table backends, two-stage ID
+dedup, hierarchical sparse parallelism, dynamic hash-table embeddings, merged-table id tags."""
 from .dedup import DEDUP_MODES, LookupStats, ShardedEmbedding
+from .features import FeatureConfig, TablePlan, find_sparse_features, plan_tables
 from .hash_embedding import DynamicEmbedding
 from .ids import TableTags, tag_bits
+from .sparse import SparseFeature, SparseRuntime, dense_parameters, shard_embeddings
 
-__all__ = ["DEDUP_MODES", "DynamicEmbedding", "LookupStats", "ShardedEmbedding", "TableTags", "tag_bits"]
+__all__ = ["DEDUP_MODES", "DynamicEmbedding", "FeatureConfig", "LookupStats", "ShardedEmbedding", "SparseFeature",
+           "SparseRuntime", "TablePlan", "TableTags", "dense_parameters", "find_sparse_features", "plan_tables",
+           "shard_embeddings", "tag_bits"]

@@ -67,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ID dedup before the id all-to-all (comm), on the owner (lookup), or both")
     d.add_argument("--hsp-group-size", type=int, default=None,
                    help="hierarchical sparse parallelism: tables sharded within groups of this many ranks")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="optimizer of the dense part")
     d.add_argument("--sparse-optimizer", choices=SPARSE_OPTIMIZERS, default=None,
                    help="optimizer of the sparse tables (default: adam in one process, sgd when sharded on "
                         "TorchRec, whose CPU kernels have no fused Adam)")
@@ -95,7 +96,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        num_negatives=args.num_negatives, negatives=args.negatives, patience=args.patience, eval_every=args.eval_every,
                        k_core=args.k_core, threads=args.threads, synthetic=synthetic, sharding=sharding,
                        sparse_backend=args.sparse_backend, dedup=args.dedup, hsp_group_size=args.hsp_group_size,
-                       sparse_optimizer=sparse_optimizer, sparse_lr=args.sparse_lr,
+                       dense_optimizer=args.optimizer, sparse_optimizer=sparse_optimizer, sparse_lr=args.sparse_lr,
                        checkpoint_every=args.checkpoint_every, model_overrides=overrides)
 
 

@@ -32,6 +32,7 @@ class TrainConfig:
     sparse_backend: str = "torchrec"  # or "native" (row-wise on torch.distributed; HSP)
     dedup: str = "two_stage"  # none | comm | lookup | two_stage
     hsp_group_size: int | None = None  # hierarchical sparse parallelism (native backend)
+    dense_optimizer: str = "adam"  # or "sgd"
     sparse_optimizer: str = "adam"  # adam (same as dense) | sgd | adagrad | rowwise_adagrad
     sparse_lr: float | None = None  # None: lr
     checkpoint_every: int | None = None  # steps between checkpoints (besides every epoch's end)

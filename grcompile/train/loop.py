@@ -18,7 +18,6 @@ from ..data import EvalLoader, TrainLoader, get_dataset
 from . import checkpoint
 from .config import TrainConfig
 from .metrics import evaluate
-from ..runtime.features import find_sparse_features
 from .parallel import Parallel, StepTiming, dense_state, load_distributed, make_optimizers, save_distributed
 
 
@@ -188,8 +187,7 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
     }
     if return_weights:
         result["feature_weights"] = parallel.feature_weights(task)
-        result["dense_weights"] = {k: v for k, v in dense_state(task).items()
-                                   if k not in {f"{f.module}.weight" for f in find_sparse_features(task)}}
+        result["dense_weights"] = dense_state(task)
     if parallel.distributed:
         result["sparse_stats"] = parallel.runtime.tables.stats.as_dict()
         result["table_checksums"] = {t: float(parallel.runtime.tables.full(t).double().abs().sum())

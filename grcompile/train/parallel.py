@@ -159,13 +159,22 @@ class StepTiming:
 
 
 def make_optimizers(task: nn.Module, config: TrainConfig, parallel: Parallel) -> list[torch.optim.Optimizer]:
-    """Adam for the dense part; the sparse tables get ``config.sparse_optimizer`` (``adam``: the same
+    """``config.dense_optimizer`` (Adam by default) for the dense part; the sparse tables get ``config.sparse_optimizer`` (``adam``: the same
     Adam; on TorchRec the optimizer is fused into the backward and not listed here)."""
     if config.sparse_optimizer not in SPARSE_OPTIMIZERS:
         raise ValueError(f"sparse optimizer must be one of {SPARSE_OPTIMIZERS}, got {config.sparse_optimizer!r}")
-    adam = dict(lr=config.lr, betas=(0.9, 0.98), weight_decay=config.weight_decay)
+    if config.dense_optimizer not in ("adam", "sgd"):
+        raise ValueError(f"dense optimizer must be adam or sgd, got {config.dense_optimizer!r}")
+
+    def dense_optimizer(params) -> torch.optim.Optimizer:
+        if config.dense_optimizer == "sgd":
+            return torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay)
+        return torch.optim.Adam(params, lr=config.lr, betas=(0.9, 0.98), weight_decay=config.weight_decay)
+
     if config.sparse_optimizer == "adam":
-        return [torch.optim.Adam(task.parameters(), **adam)]
+        if config.dense_optimizer != "adam":
+            raise ValueError("--sparse-optimizer adam goes with the dense Adam; pick sgd or adagrad for the tables")
+        return [dense_optimizer(task.parameters())]
     if parallel.distributed:
         sparse = parallel.runtime.tables.sparse_parameters()
         dense = dense_parameters(task)
@@ -173,7 +182,7 @@ def make_optimizers(task: nn.Module, config: TrainConfig, parallel: Parallel) ->
         modules = dict(task.named_modules())
         sparse = [modules[f.module].weight for f in find_sparse_features(task)]
         dense = [p for p in task.parameters() if all(p is not s for s in sparse)]
-    optimizers: list[torch.optim.Optimizer] = [torch.optim.Adam(dense, **adam)]
+    optimizers: list[torch.optim.Optimizer] = [dense_optimizer(dense)]
     if sparse:
         lr = config.sparse_lr or config.lr
         if config.sparse_optimizer == "sgd":
