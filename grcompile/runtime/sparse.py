@@ -105,6 +105,7 @@ class NativeTables(Tables):
                                                 full_weight=torch.zeros(t.num_rows, t.dim, dtype=t.dtype))
         self.tables = nn.ModuleDict(tables)
         self.hsp = bool(group_size)
+        self.sync_bytes = 0  # HSP: gradient rows sent across groups
 
     def lookup(self, table: str, rows: torch.Tensor) -> torch.Tensor:
         module = self.tables[table]
@@ -140,7 +141,9 @@ class NativeTables(Tables):
     def after_backward(self) -> None:
         if self.hsp:
             for module in self.tables.values():
+                before = module.sync_stats.embedding_bytes
                 module.sync_gradients()
+                self.sync_bytes += module.sync_stats.embedding_bytes - before
 
 
 class SparseRuntime:

@@ -189,7 +189,8 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         result["feature_weights"] = parallel.feature_weights(task)
         result["dense_weights"] = dense_state(task)
     if parallel.distributed:
-        result["sparse_stats"] = parallel.runtime.tables.stats.as_dict()
+        tables = parallel.runtime.tables
+        result["sparse_stats"] = {**tables.stats.as_dict(), "hsp_sync_bytes": getattr(tables, "sync_bytes", 0)}
         result["table_checksums"] = {t: float(parallel.runtime.tables.full(t).double().abs().sum())
                                      for t in parallel.runtime.plan.tables}
     return result
