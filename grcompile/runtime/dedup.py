@@ -81,6 +81,10 @@ class ShardedEmbedding(nn.Module):
             if lo < 0 or hi >= self.num_embeddings:
                 raise ValueError(f"{self.name}: ids must lie in [0, {self.num_embeddings}), got values in [{lo}, {hi}]")
 
+    def read_owned(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ids this rank owns (``id % W == rank``), differentiable into the shard."""
+        return self.weight[ids // self.world]
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self.check(ids)
         W, D = self.world, self.dim
@@ -98,25 +102,24 @@ class ShardedEmbedding(nn.Module):
         send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
         dist.all_to_all_single(recv, send, recv_split, send_split, group=self.group)
 
-        local = recv // W
         if stage2:
-            rows_needed, back = torch.unique(local, return_inverse=True)
-            rows = self.weight[rows_needed][back]
+            needed, back = torch.unique(recv, return_inverse=True)
+            rows = self.read_owned(needed)[back]
         else:
-            rows_needed = local
-            rows = self.weight[local]
+            needed = recv
+            rows = self.read_owned(recv)
         group = self.group if self.group is not None else dist.group.WORLD
         got = wait_tensor(all_to_all_single_autograd(rows, send_split, recv_split, group))
         emb = got[torch.argsort(order)]  # back to the order of `send` before sorting by owner
         if inverse is not None:
             emb = emb[inverse]
 
-        element = self.weight.element_size()
+        element = rows.element_size()
         mine_out, mine_back = send_split[self.rank], recv_split[self.rank]
         self.stats.add(LookupStats(
             ids_sent=len(send) - mine_out, id_bytes=(len(send) - mine_out) * send.element_size(),
             rows_sent=len(recv) - mine_back, embedding_bytes=(len(recv) - mine_back) * D * element,
-            rows_read=int(rows_needed.numel()), lookups=1))
+            rows_read=int(needed.numel()), lookups=1))
         return emb.view(*ids.shape, D)
 
 

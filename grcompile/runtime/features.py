@@ -20,6 +20,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
+from .ids import TableTags
+
 
 @dataclass(frozen=True)
 class FeatureConfig:
@@ -29,6 +31,7 @@ class FeatureConfig:
     sparse: bool = True
     table: Optional[str] = None  # merge group; default: one table per (dim, dtype)
     name: Optional[str] = None  # feature name in reports and errors; default: the module name
+    dynamic: bool = False  # a hash table: any id >= 0, inserted on first sight (its weights are not kept)
 
 
 @dataclass
@@ -40,7 +43,8 @@ class Feature:
     dtype: torch.dtype
     pad: Optional[int]
     table: str = ""
-    offset: int = 0  # first row of this feature in its table
+    offset: int = 0  # first row of this feature in its (static) table
+    dynamic: bool = False
 
 
 @dataclass
@@ -49,7 +53,9 @@ class TableSpec:
     dim: int
     dtype: torch.dtype
     features: list[str] = field(default_factory=list)
-    num_rows: int = 0
+    num_rows: int = 0  # static tables
+    dynamic: bool = False
+    tags: Optional[TableTags] = None  # dynamic tables: the feature tag in the id's high bits
 
 
 @dataclass
@@ -60,6 +66,10 @@ class TablePlan:
     def describe(self) -> str:
         lines = []
         for t in self.tables.values():
+            if t.dynamic:
+                lines.append(f"dynamic table {t.name}: hash table x {t.dim}, id tags ({t.tags.bits} high bits) <- "
+                             + ", ".join(t.features))
+                continue
             parts = ", ".join(f"{f} rows [{self.features[f].offset}, {self.features[f].offset + self.features[f].num_embeddings})"
                               for f in t.features)
             lines.append(f"table {t.name}: {t.num_rows} x {t.dim} {str(t.dtype).removeprefix('torch.')} <- {parts}")
@@ -89,7 +99,7 @@ def find_sparse_features(model: nn.Module, configs: Sequence[FeatureConfig] = ()
         table = config.table if config is not None and config.table else ""
         features.append(Feature(name=name, module=qualname, num_embeddings=module.num_embeddings,
                                 dim=module.embedding_dim, dtype=module.weight.dtype, pad=module.padding_idx,
-                                table=table))
+                                table=table, dynamic=config is not None and config.dynamic))
     names = [f.name for f in features]
     if len(set(names)) != len(names):
         raise ValueError(f"feature names repeat: {names}")
@@ -101,14 +111,18 @@ def plan_tables(features: Sequence[Feature]) -> TablePlan:
     tables: dict[str, TableSpec] = {}
     for f in features:
         if not f.table:
-            f.table = f"merged_{str(f.dtype).removeprefix('torch.')}_d{f.dim}"
-        spec = tables.setdefault(f.table, TableSpec(f.table, f.dim, f.dtype))
-        if (spec.dim, spec.dtype) != (f.dim, f.dtype):
-            raise ValueError(f"table {f.table!r}: feature {f.name!r} is {f.dim} x {f.dtype}, but the table holds "
-                             f"{spec.dim} x {spec.dtype} (features merged into one table share dim and dtype)")
+            f.table = f"{'dynamic' if f.dynamic else 'merged'}_{str(f.dtype).removeprefix('torch.')}_d{f.dim}"
+        spec = tables.setdefault(f.table, TableSpec(f.table, f.dim, f.dtype, dynamic=f.dynamic))
+        if (spec.dim, spec.dtype, spec.dynamic) != (f.dim, f.dtype, f.dynamic):
+            raise ValueError(f"table {f.table!r}: feature {f.name!r} is {f.dim} x {f.dtype}"
+                             f"{' dynamic' if f.dynamic else ''}, but the table holds {spec.dim} x {spec.dtype}"
+                             f"{' dynamic' if spec.dynamic else ''} (merged features share dim, dtype and kind)")
         f.offset = spec.num_rows
-        spec.num_rows += f.num_embeddings
+        spec.num_rows += 0 if f.dynamic else f.num_embeddings
         spec.features.append(f.name)
+    for spec in tables.values():
+        if spec.dynamic:
+            spec.tags = TableTags(spec.features)
     return TablePlan({f.name: f for f in features}, tables)
 
 

@@ -22,12 +22,43 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from .dedup import DEDUP_MODES, LookupStats, ShardedEmbedding
 from .ids import require_int_ids
 
 EMPTY = -1
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio multiplier as a signed int64
+
+
+def _u64(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_SM_ADD, _SM_M1, _SM_M2 = _u64(0x9E3779B97F4A7C15), _u64(0xBF58476D1CE4E5B9), _u64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    z = x + _SM_ADD
+    z = (z ^ _shr(z, 30)) * _SM_M1
+    z = (z ^ _shr(z, 27)) * _SM_M2
+    return z ^ _shr(z, 31)
+
+
+def hash_normal(keys: torch.Tensor, dim: int, seed: int) -> torch.Tensor:
+    """``[len(keys), dim]`` standard normals that depend on (seed, key) only — a new id's initial row
+    is the same whichever rank owns it and whenever it is first seen (Box–Muller on splitmix64)."""
+    base = _splitmix(keys.long().reshape(-1, 1) ^ _splitmix(torch.tensor(seed, dtype=torch.int64)))
+    j = torch.arange(dim, dtype=torch.int64)
+    bits = [_shr(_splitmix(base + 2 * j + k), 11).double() / float(1 << 53) for k in (0, 1)]
+    u1 = 1.0 - bits[0]  # (0, 1]
+    return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * torch.pi * bits[1])).float()
 
 
 def _hash(keys: torch.Tensor, mask: int) -> torch.Tensor:
@@ -38,7 +69,8 @@ def _hash(keys: torch.Tensor, mask: int) -> torch.Tensor:
 
 class DynamicEmbedding(nn.Module):
     def __init__(self, dim: int, *, name: str = "embedding", capacity: int = 1024, max_load: float = 0.75,
-                 block_rows: int = 4096, init_std: float = 0.02, seed: int = 0) -> None:
+                 block_rows: int = 4096, init_std: float = 0.02, seed: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if capacity < 2 or capacity & (capacity - 1):
             raise ValueError(f"{name}: capacity must be a power of two >= 2, got {capacity}")
@@ -55,7 +87,7 @@ class DynamicEmbedding(nn.Module):
         self.counts = torch.zeros(0, dtype=torch.int64)  # per row: lookups
         self.step = 0
         self.rehashes = 0
-        self._generator = torch.Generator().manual_seed(seed)
+        self.seed, self.dtype = seed, dtype
         self._reported_blocks = 0
 
     # ------------------------------------------------------------------ key table
@@ -109,25 +141,27 @@ class DynamicEmbedding(nn.Module):
         self.rehashes += 1
 
     # ------------------------------------------------------------------ rows / values
-    def _new_rows(self, count: int) -> torch.Tensor:
+    def _new_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows for new ``ids``, initialised ``init_std * hash_normal(id)`` (reused rows start fresh)."""
+        count = ids.numel()
         reuse = self.free_rows[:count]
         del self.free_rows[:count]
         fresh = torch.arange(self.next_row, self.next_row + count - len(reuse), dtype=torch.int64)
         self.next_row += fresh.numel()
         while self.next_row > len(self.blocks) * self.block_rows:
-            block = torch.randn(self.block_rows, self.dim, generator=self._generator) * self.init_std
-            self.blocks.append(nn.Parameter(block))
+            self.blocks.append(nn.Parameter(torch.zeros(self.block_rows, self.dim, dtype=self.dtype)))
         grow = self.next_row - self.last_seen.numel()
         if grow > 0:
             self.last_seen = torch.cat([self.last_seen, torch.zeros(grow, dtype=torch.int64)])
             self.counts = torch.cat([self.counts, torch.zeros(grow, dtype=torch.int64)])
         rows = torch.cat([torch.tensor(reuse, dtype=torch.int64), fresh])
-        if reuse:  # a reused row starts fresh
-            with torch.no_grad():
-                for r in reuse:
-                    self.blocks[r // self.block_rows][r % self.block_rows].normal_(0, self.init_std,
-                                                                                    generator=self._generator)
+        if reuse:
             self.counts[rows[:len(reuse)]] = 0
+        values = hash_normal(ids, self.dim, self.seed) * self.init_std
+        with torch.no_grad():
+            for b in torch.unique(rows // self.block_rows).tolist():
+                sel = rows // self.block_rows == b
+                self.blocks[b][rows[sel] % self.block_rows] = values[sel].to(self.blocks[b].dtype)
         return rows
 
     def _gather(self, rows: torch.Tensor) -> torch.Tensor:
@@ -156,7 +190,7 @@ class DynamicEmbedding(nn.Module):
         if insert and not bool(found.all()):
             new = uniq[~found]
             self._grow_to(self.size + new.numel())
-            new_rows = self._new_rows(new.numel())
+            new_rows = self._new_rows(new)
             self._place(new, new_rows)
             self.size += new.numel()
             rows[~found] = new_rows
@@ -167,7 +201,7 @@ class DynamicEmbedding(nn.Module):
         rows = self.rows_of(ids, insert=insert).reshape(-1)
         known = rows != EMPTY
         if self.next_row == 0:
-            return torch.zeros(*ids.shape, self.dim)
+            return torch.zeros(*ids.shape, self.dim, dtype=self.dtype)
         values = self._gather(torch.where(known, rows, 0))
         values = torch.where(known[:, None], values, 0.0)
         if bool(known.any()):
@@ -220,4 +254,26 @@ class DynamicEmbedding(nn.Module):
             block.grad = None
 
 
-__all__ = ["DynamicEmbedding", "EMPTY"]
+class ShardedDynamicEmbedding(ShardedEmbedding):
+    """A ``DynamicEmbedding`` split over the ranks: id ``i`` lives in rank ``i % W``'s hash table
+    (inserted there on first sight, so no two ranks ever hold one id), looked up with the same two
+    all-to-alls and dedup stages as the static row-wise table."""
+
+    def __init__(self, dim: int, *, name: str = "embedding", dedup: str = "two_stage",
+                 group: Optional[dist.ProcessGroup] = None, seed: int = 0, **table_options) -> None:
+        nn.Module.__init__(self)
+        if dedup not in DEDUP_MODES:
+            raise ValueError(f"dedup must be one of {DEDUP_MODES}, got {dedup!r}")
+        self.dim, self.name, self.dedup, self.group = dim, name, dedup, group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.table = DynamicEmbedding(dim, name=name, seed=seed, **table_options)
+        self.stats = LookupStats()
+
+    def check(self, ids: torch.Tensor) -> None:
+        self.table.check(ids)
+
+    def read_owned(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table(ids)
+
+
+__all__ = ["DynamicEmbedding", "EMPTY", "ShardedDynamicEmbedding", "hash_normal"]

@@ -146,14 +146,65 @@ class NativeTables(Tables):
                 self.sync_bytes += module.sync_stats.embedding_bytes - before
 
 
+class DynamicTables(Tables):
+    """The dynamic (hash) tables: ``DynamicEmbedding`` in one process, ``ShardedDynamicEmbedding``
+    over a process group; updated by their fused row-wise optimizer in ``after_backward``."""
+
+    def __init__(self, plan: TablePlan, *, distributed: bool, stage2: bool, optimizer: str = "sgd",
+                 lr: float = 0.01, seed: int = 0) -> None:
+        super().__init__(plan)
+        from .hash_embedding import DynamicEmbedding, ShardedDynamicEmbedding
+
+        self.optimizer, self.lr = optimizer, lr
+        tables = {}
+        for name, t in plan.tables.items():
+            if not t.dynamic:
+                continue
+            if distributed:
+                tables[name] = ShardedDynamicEmbedding(t.dim, name=name, dedup="lookup" if stage2 else "none",
+                                                       seed=seed, dtype=t.dtype)
+            else:
+                tables[name] = DynamicEmbedding(t.dim, name=name, seed=seed, dtype=t.dtype)
+        self.tables = nn.ModuleDict(tables)
+
+    def _hash_table(self, name: str):
+        module = self.tables[name]
+        return getattr(module, "table", module)
+
+    def lookup(self, table: str, rows: torch.Tensor) -> torch.Tensor:
+        module = self.tables[table]
+        if hasattr(module, "stats"):
+            before = LookupStats(**module.stats.as_dict())
+            out = module(rows)
+            self.stats.add(LookupStats(**{k: v - getattr(before, k) for k, v in module.stats.as_dict().items()}))
+            return out
+        self.stats.add(LookupStats(rows_read=rows.numel(), lookups=1))
+        return module(rows)
+
+    def load_full(self, table: str, weight: torch.Tensor) -> None:
+        pass  # a dynamic table starts empty: rows appear with their ids
+
+    def full(self, table: str) -> torch.Tensor:
+        raise NotImplementedError(f"dynamic table {table!r} has no fixed set of rows to gather")
+
+    def sparse_parameters(self) -> list[nn.Parameter]:
+        return []  # fused update in after_backward
+
+    def after_backward(self) -> None:
+        for name in self.tables:
+            table = self._hash_table(name)
+            table.apply_gradients(self.lr, self.optimizer)
+            table.tick()
+
+
 class SparseRuntime:
     """Owns the tables and the in-flight lookups of one rewritten model (see module docstring)."""
 
     def __init__(self, plan: TablePlan, tables: Tables, *, dedup: str = "two_stage",
-                 pad_rows: Optional[dict[str, torch.Tensor]] = None) -> None:
+                 pad_rows: Optional[dict[str, torch.Tensor]] = None, dynamic: Optional[Tables] = None) -> None:
         if dedup not in DEDUP_MODES:
             raise ValueError(f"dedup must be one of {DEDUP_MODES}, got {dedup!r}")
-        self.plan, self.tables, self.dedup = plan, tables, dedup
+        self.plan, self.tables, self.dedup, self.dynamic = plan, tables, dedup, dynamic
         self.pad_rows = pad_rows or {}
         self.handle = register_runtime(self)
         self.seconds = {"forward": 0.0, "backward": 0.0}  # wall time inside the lookups and their backward
@@ -162,6 +213,9 @@ class SparseRuntime:
     # -- checks ---------------------------------------------------------------------------------
     def check(self, feature: str, ids: torch.Tensor) -> None:
         f = self.plan.features[feature]
+        if f.dynamic:
+            self.plan.tables[f.table].tags.check(feature, ids)
+            return
         require_int_ids(f"feature {feature!r}", ids)
         if ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
@@ -182,12 +236,14 @@ class SparseRuntime:
         f = self.plan.features[feature]
         flat = ids.reshape(-1).long()
         valid = flat != f.pad if f.pad is not None else None
-        rows = (flat[valid] if valid is not None else flat) + f.offset
+        kept = flat[valid] if valid is not None else flat
+        rows = self.plan.tables[f.table].tags.tag(feature, kept) if f.dynamic else kept + f.offset
+        backend = self.dynamic if f.dynamic else self.tables
         if self.dedup in ("comm", "two_stage"):
             unique, inverse = torch.unique(rows, return_inverse=True)
-            values = self.tables.lookup(f.table, unique)[inverse]
+            values = backend.lookup(f.table, unique)[inverse]
         else:
-            values = self.tables.lookup(f.table, rows)
+            values = backend.lookup(f.table, rows)
         if keep_graph and values.requires_grad:
             self._in_flight.setdefault(feature, []).append((ids.detach().clone(), values))
         values = values.detach()
@@ -219,6 +275,12 @@ class SparseRuntime:
             flat_grad = flat_grad[ids.reshape(-1) != f.pad]
         values.backward(flat_grad.to(values.dtype))
 
+    def after_backward(self) -> None:
+        """After ``loss.backward()``, before the optimizer step: HSP's gradient sync, dynamic tables' update."""
+        self.tables.after_backward()
+        if self.dynamic is not None:
+            self.dynamic.after_backward()
+
     def new_step(self) -> None:
         """Drop lookups whose backward never came (a forward under grad whose loss was not used)."""
         self._in_flight.clear()
@@ -228,6 +290,8 @@ class SparseRuntime:
 
     def full_weight(self, feature: str) -> torch.Tensor:
         f = self.plan.features[feature]
+        if f.dynamic:
+            raise NotImplementedError(f"feature {feature!r} is dynamic: no fixed table to gather")
         return self.tables.full(f.table)[f.offset:f.offset + f.num_embeddings]
 
 
@@ -258,48 +322,62 @@ class SparseFeature(nn.Module):
 
 
 TABLES_ATTR = "grcompile_sparse_tables"
+DYNAMIC_ATTR = "grcompile_dynamic_tables"
 
 
 def shard_embeddings(model: nn.Module, *, backend: str = "local", features: Sequence[FeatureConfig] = (),
                      dedup: str = "two_stage", sharding: str = "auto", group_size: Optional[int] = None,
-                     fused_optimizer: Optional[dict] = None, log=None) -> SparseRuntime:
+                     fused_optimizer: Optional[dict] = None, seed: int = 0, log=None) -> SparseRuntime:
     """Rewrite ``model`` in place (see module docstring) and return its runtime.
 
     ``backend``: ``local`` | ``native`` (row-wise, HSP with ``group_size``) | ``torchrec``
     (``sharding`` row | table | column | auto, ``fused_optimizer`` e.g. ``{"type": "sgd", "lr": 0.1}``).
-    Every rank must call it with the same model (same initial weights)."""
+    Features configured ``dynamic`` go to hash tables (``DynamicTables``; sharded by id on the
+    distributed backends, updated by ``fused_optimizer``'s sgd/adagrad rule). Every rank must call
+    it with the same model (same initial weights)."""
     found = find_sparse_features(model, features)
     if not found:
         raise ValueError("no sparse feature found: no nn.Embedding has a padding_idx (name modules with "
                          "FeatureConfig to shard others)")
     plan = plan_tables(found)
+    static_plan = TablePlan({n: f for n, f in plan.features.items() if not f.dynamic},
+                            {n: t for n, t in plan.tables.items() if not t.dynamic})
     modules = dict(model.named_modules())
     weights = {f.name: modules[f.module].weight.detach() for f in found}
-    if backend == "local":
-        tables: Tables = LocalTables(plan)
+    fused = dict(fused_optimizer or {"type": "sgd", "lr": 0.01})
+    dynamic = None
+    if len(static_plan.tables) < len(plan.tables):
+        if fused["type"] not in ("sgd", "adagrad"):
+            raise ValueError(f"dynamic tables update with sgd or adagrad, got {fused['type']!r}")
+        dynamic = DynamicTables(plan, distributed=backend != "local", stage2=dedup in ("lookup", "two_stage"),
+                                optimizer=fused["type"], lr=fused["lr"], seed=seed)
+    if backend == "local" or not static_plan.tables:
+        tables: Tables = LocalTables(static_plan)
     elif backend == "native":
         if sharding not in ("row", "auto"):
             raise ValueError(f"backend 'native' shards row-wise only, got sharding {sharding!r}")
-        tables = NativeTables(plan, stage2=dedup in ("lookup", "two_stage"), group_size=group_size)
+        tables = NativeTables(static_plan, stage2=dedup in ("lookup", "two_stage"), group_size=group_size)
     elif backend == "torchrec":
         if group_size:
             raise ValueError("hierarchical sparse parallelism (group_size) runs on backend 'native' on CPU "
                              "(TorchRec's DMPCollection is CUDA-only)")
         from .torchrec_tables import TorchRecTables
 
-        tables = TorchRecTables(plan, sharding=sharding, stage2=dedup in ("lookup", "two_stage"),
-                                fused_optimizer=fused_optimizer or {"type": "sgd", "lr": 0.01})
+        tables = TorchRecTables(static_plan, sharding=sharding, stage2=dedup in ("lookup", "two_stage"),
+                                fused_optimizer=fused)
     else:
         raise ValueError(f"backend must be 'local', 'native' or 'torchrec', got {backend!r}")
-    for name, spec in plan.tables.items():
+    for name, spec in static_plan.tables.items():
         tables.load_full(name, torch.cat([weights[f] for f in spec.features]))
     pad_rows = {f.name: weights[f.name][f.pad].clone() for f in found if f.pad is not None}
-    runtime = SparseRuntime(plan, tables, dedup=dedup, pad_rows=pad_rows)
+    runtime = SparseRuntime(plan, tables, dedup=dedup, pad_rows=pad_rows, dynamic=dynamic)
     for f in found:
         parent_name, _, attr = f.module.rpartition(".")
         parent = modules[parent_name] if parent_name else model
         setattr(parent, attr, SparseFeature(runtime, f.name, f.dtype))
     setattr(model, TABLES_ATTR, tables)
+    if dynamic is not None:
+        setattr(model, DYNAMIC_ATTR, dynamic)
     if log is not None:
         log(f"[grcompile.runtime] {backend} sparse tables (dedup {dedup}):\n{plan.describe()}")
     return runtime
@@ -307,8 +385,8 @@ def shard_embeddings(model: nn.Module, *, backend: str = "local", features: Sequ
 
 def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters a data-parallel all-reduce syncs: everything but the sparse tables."""
-    tables = getattr(model, TABLES_ATTR, None)
-    skip = {id(p) for p in tables.parameters()} if tables is not None else set()
+    skip = {id(p) for attr in (TABLES_ATTR, DYNAMIC_ATTR) if getattr(model, attr, None) is not None
+            for p in getattr(model, attr).parameters()}
     return [p for p in model.parameters() if id(p) not in skip]
 
 

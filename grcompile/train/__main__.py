@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="optimizer of the sparse tables (default: adam in one process, sgd when sharded on "
                         "TorchRec, whose CPU kernels have no fused Adam)")
     d.add_argument("--sparse-lr", type=float, default=None, help="default: --lr")
+    d.add_argument("--dynamic-tables", default="",
+                   help="comma-separated embedding modules (e.g. encoder.category_embedding) to make dynamic hash "
+                        "tables: any id >= 0, inserted on first sight, sharded by id when distributed")
     d.add_argument("--checkpoint-every", type=int, default=None, help="also checkpoint every N steps")
     d.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection (tests)
     return p.parse_args(argv)
@@ -86,7 +89,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     sharding = args.sharding or ("auto" if _launched_distributed() else None)
     if args.hsp_group_size and args.sparse_backend != "native":
         raise SystemExit("--hsp-group-size runs on --sparse-backend native (TorchRec's DMPCollection is CUDA-only)")
-    sparse_optimizer = args.sparse_optimizer or ("sgd" if sharding and args.sparse_backend == "torchrec" else "adam")
+    sparse_optimizer = args.sparse_optimizer or (
+        "sgd" if (sharding and args.sparse_backend == "torchrec") or args.dynamic_tables else "adam")
     if args.preset not in PRESETS[args.model]:
         raise SystemExit(f"--preset {args.preset!r} unknown; choose from {sorted(PRESETS[args.model])}")
     return TrainConfig(model=args.model, preset=args.preset, data=args.data, compile=args.compile,
@@ -97,7 +101,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        k_core=args.k_core, threads=args.threads, synthetic=synthetic, sharding=sharding,
                        sparse_backend=args.sparse_backend, dedup=args.dedup, hsp_group_size=args.hsp_group_size,
                        dense_optimizer=args.optimizer, sparse_optimizer=sparse_optimizer, sparse_lr=args.sparse_lr,
-                       checkpoint_every=args.checkpoint_every, model_overrides=overrides)
+                       checkpoint_every=args.checkpoint_every, model_overrides=overrides,
+                       dynamic_features=[m for m in args.dynamic_tables.split(",") if m])
 
 
 def _launched_distributed() -> bool:

@@ -35,6 +35,7 @@ class TrainConfig:
     dense_optimizer: str = "adam"  # or "sgd"
     sparse_optimizer: str = "adam"  # adam (same as dense) | sgd | adagrad | rowwise_adagrad
     sparse_lr: float | None = None  # None: lr
+    dynamic_features: list[str] = field(default_factory=list)  # embedding modules made hash tables
     checkpoint_every: int | None = None  # steps between checkpoints (besides every epoch's end)
     synthetic: dict[str, Any] = field(default_factory=dict)  # SyntheticConfig overrides
     model_overrides: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides

@@ -161,6 +161,7 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
             stop_reason = "early_stopping"
             break
 
+    train_stats = parallel.sparse_stats()  # the training steps' lookups (evaluation's are not counted)
     if state["best_state"] is not None:
         parallel.restore(task, state["best_state"])
     test = evaluate(encoder, test_loader)
@@ -189,10 +190,9 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         result["feature_weights"] = parallel.feature_weights(task)
         result["dense_weights"] = dense_state(task)
     if parallel.distributed:
-        tables = parallel.runtime.tables
-        result["sparse_stats"] = {**tables.stats.as_dict(), "hsp_sync_bytes": getattr(tables, "sync_bytes", 0)}
+        result["sparse_stats"] = train_stats
         result["table_checksums"] = {t: float(parallel.runtime.tables.full(t).double().abs().sum())
-                                     for t in parallel.runtime.plan.tables}
+                                     for t in parallel.runtime.tables.plan.tables}
     return result
 
 

@@ -21,7 +21,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..runtime.features import find_sparse_features
-from ..runtime.sparse import TABLES_ATTR, SparseRuntime, dense_parameters, shard_embeddings
+from ..runtime.dedup import LookupStats
+from ..runtime.features import FeatureConfig
+from ..runtime.sparse import DYNAMIC_ATTR, TABLES_ATTR, SparseRuntime, dense_parameters, shard_embeddings
 from .config import TrainConfig
 
 SPARSE_OPTIMIZERS = ("adam", "sgd", "adagrad", "rowwise_adagrad")
@@ -32,16 +34,25 @@ class Parallel:
     world: int = 1
     rank: int = 0
     runtime: Optional[SparseRuntime] = None
+    sharded: bool = False  # tables over a process group (else: a one-process runtime, or none)
     seconds: dict[str, float] = field(default_factory=lambda: {"dense_all_reduce": 0.0, "hsp_sync": 0.0})
 
     @property
     def distributed(self) -> bool:
-        return self.runtime is not None
+        return self.sharded
 
     @classmethod
     def setup(cls, task: nn.Module, config: TrainConfig, log=print) -> "Parallel":
+        dynamic = [FeatureConfig(m, dynamic=True) for m in config.dynamic_features]
+        fused = {"type": config.sparse_optimizer, "lr": config.sparse_lr or config.lr}
         if config.sharding is None:
-            return cls()
+            if not dynamic:
+                return cls()
+            if config.sparse_optimizer not in ("sgd", "adagrad"):
+                raise ValueError("dynamic tables update with --sparse-optimizer sgd or adagrad")
+            runtime = shard_embeddings(task, backend="local", features=dynamic, dedup=config.dedup,
+                                       fused_optimizer=fused, seed=config.seed, log=log)
+            return cls(runtime=runtime)
         if not dist.is_initialized():
             raise RuntimeError("--sharding needs torch.distributed: launch with torchrun (or init a process group)")
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -50,13 +61,12 @@ class Parallel:
         if config.sparse_backend == "torchrec" and config.sparse_optimizer == "adam":
             raise ValueError("TorchRec's CPU kernels have no fused Adam: pick --sparse-optimizer sgd, adagrad or "
                              "rowwise_adagrad (or --sparse-backend native, which steps its shards with Adam)")
-        fused = {"type": config.sparse_optimizer, "lr": config.sparse_lr or config.lr}
         runtime = shard_embeddings(task, backend=config.sparse_backend, dedup=config.dedup, sharding=config.sharding,
-                                   group_size=config.hsp_group_size, fused_optimizer=fused,
-                                   log=log if rank == 0 else None)
+                                   group_size=config.hsp_group_size, fused_optimizer=fused, features=dynamic,
+                                   seed=config.seed, log=log if rank == 0 else None)
         if rank == 0 and hasattr(runtime.tables, "describe"):
             log(f"[grcompile.train] sharding plan: {runtime.tables.describe()}")
-        return cls(world=world, rank=rank, runtime=runtime)
+        return cls(world=world, rank=rank, runtime=runtime, sharded=True)
 
     def begin_step(self) -> None:
         if self.runtime is not None:
@@ -78,42 +88,51 @@ class Parallel:
 
     # -- gradients ------------------------------------------------------------------------------
     def sync_gradients(self, task: nn.Module) -> None:
+        t0 = time.perf_counter()
+        if self.runtime is not None:
+            self.runtime.after_backward()
+        t1 = time.perf_counter()
+        self.seconds["hsp_sync"] += t1 - t0
         if not self.distributed:
             return
-        import time
-
-        t0 = time.perf_counter()
-        self.runtime.tables.after_backward()
-        t1 = time.perf_counter()
         params = [p for p in dense_parameters(task) if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)
         for p, chunk in zip(params, flat.split([g.numel() for g in grads])):
             p.grad = chunk.view_as(p)
-        self.seconds["hsp_sync"] += t1 - t0
         self.seconds["dense_all_reduce"] += time.perf_counter() - t1
 
     # -- best-state snapshots (tables gathered whole: any world size can restore them) ----------
     def snapshot(self, task: nn.Module) -> dict[str, Any]:
-        if not self.distributed:
+        """Dense state + static tables (dynamic hash tables are not snapshotted: they keep training state)."""
+        if self.runtime is None:
             return copy.deepcopy(task.state_dict())
-        return {"dense": dense_state(task), "tables": {t: self.runtime.tables.full(t) for t in self.runtime.plan.tables}}
+        return {"dense": dense_state(task), "tables": {t: self.runtime.tables.full(t) for t in self.runtime.tables.plan.tables}}
 
     def restore(self, task: nn.Module, snapshot: dict[str, Any]) -> None:
-        if not self.distributed:
+        if self.runtime is None:
             task.load_state_dict(snapshot)
             return
         load_dense(task, snapshot["dense"])
         for name, weight in snapshot["tables"].items():
             self.runtime.tables.load_full(name, weight)
 
+    def sparse_stats(self) -> dict[str, int]:
+        """Ids, bytes and rows through this rank's lookups so far (static + dynamic tables, HSP sync)."""
+        if self.runtime is None:
+            return {}
+        stats = LookupStats(**self.runtime.tables.stats.as_dict())
+        if self.runtime.dynamic is not None:
+            stats.add(self.runtime.dynamic.stats)
+        return {**stats.as_dict(), "hsp_sync_bytes": getattr(self.runtime.tables, "sync_bytes", 0)}
+
     def feature_weights(self, task: nn.Module) -> dict[str, torch.Tensor]:
         """Every sparse feature's whole table (gathered on every rank when sharded)."""
-        if not self.distributed:
+        if self.runtime is None:
             modules = dict(task.named_modules())
             return {f.name: modules[f.module].weight.detach().clone() for f in find_sparse_features(task)}
-        return {name: self.runtime.full_weight(name) for name in self.runtime.plan.features}
+        return {name: self.runtime.full_weight(name) for name, f in self.runtime.plan.features.items() if not f.dynamic}
 
     def global_loss(self, weighted_loss: torch.Tensor) -> float:
         value = weighted_loss.detach().clone()
@@ -175,7 +194,7 @@ def make_optimizers(task: nn.Module, config: TrainConfig, parallel: Parallel) ->
         if config.dense_optimizer != "adam":
             raise ValueError("--sparse-optimizer adam goes with the dense Adam; pick sgd or adagrad for the tables")
         return [dense_optimizer(task.parameters())]
-    if parallel.distributed:
+    if parallel.runtime is not None:
         sparse = parallel.runtime.tables.sparse_parameters()
         dense = dense_parameters(task)
     else:
@@ -194,15 +213,18 @@ def make_optimizers(task: nn.Module, config: TrainConfig, parallel: Parallel) ->
     return optimizers
 
 
+_SPARSE_PREFIXES = (TABLES_ATTR, DYNAMIC_ATTR)
+
+
 def dense_state(task: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in task.state_dict().items() if not k.startswith(TABLES_ATTR)}
+    return {k: v.detach().clone() for k, v in task.state_dict().items() if not k.startswith(_SPARSE_PREFIXES)}
 
 
 @torch.no_grad()
 def load_dense(task: nn.Module, dense: dict[str, torch.Tensor]) -> None:
     """Copy the replicated part in place (``load_state_dict`` would run TorchRec's hooks, which
     want the sharded tables in the same dict)."""
-    current = {k: v for k, v in task.state_dict(keep_vars=True).items() if not k.startswith(TABLES_ATTR)}
+    current = {k: v for k, v in task.state_dict(keep_vars=True).items() if not k.startswith(_SPARSE_PREFIXES)}
     if current.keys() != dense.keys():
         raise ValueError(f"checkpoint does not match the model: differing keys "
                          f"{sorted(current.keys() ^ dense.keys())[:5]}")

@@ -70,7 +70,7 @@ def test_merged_table_needs_equal_dims():
 
     runtime = shard_embeddings(TwoDims())
     assert len(runtime.plan.tables) == 2
-    with pytest.raises(ValueError, match="share dim and dtype"):
+    with pytest.raises(ValueError, match="share dim, dtype and kind"):
         shard_embeddings(TwoDims(), features=[FeatureConfig("a", table="t"), FeatureConfig("b", table="t")])
 
 
@@ -139,3 +139,34 @@ def test_bad_ids_name_the_feature():
 def test_no_sparse_feature_is_an_error():
     with pytest.raises(ValueError, match="no sparse feature"):
         shard_embeddings(nn.Sequential(nn.Linear(3, 3)))
+
+
+def test_dynamic_feature_is_a_hash_table_with_tagged_ids():
+    task = make_task()
+    runtime = shard_embeddings(task, features=[FeatureConfig("encoder.category_embedding", dynamic=True),
+                                               FeatureConfig("encoder.item_embedding", dynamic=True)],
+                               fused_optimizer={"type": "sgd", "lr": 0.1})
+    (table,) = runtime.plan.tables.values()
+    assert table.dynamic and table.tags.features == ["encoder.item_embedding", "encoder.category_embedding"]
+    hash_table = runtime.dynamic.tables[table.name]
+    ids, ts, negatives = length_mix(3)
+    loss = task(ids, ts, negatives)
+    assert torch.isfinite(loss)
+    # every distinct valid item id and category got its own row; the two features never share one
+    items = ids[ids != 0].unique()
+    categories = task.encoder.item_category[items].unique()
+    assert hash_table.size >= len(items) + len(categories)
+    tagged = torch.cat([table.tags.tag("encoder.item_embedding", items),
+                        table.tags.tag("encoder.category_embedding", categories)])
+    rows = hash_table.rows_of(tagged, insert=False)
+    assert (rows >= 0).all() and rows.unique().numel() == rows.numel()
+    loss.backward()
+    before = torch.cat([b.detach().clone() for b in hash_table.blocks])
+    runtime.after_backward()  # the fused SGD update of the touched rows
+    after = torch.cat([b.detach() for b in hash_table.blocks])
+    assert not torch.equal(before, after)
+    # ids beyond the static table are fine for a dynamic feature; negative ids are not
+    big = torch.full((1, N), 10**12)
+    assert task.encoder.item_embedding(big).shape == (1, N, 16)
+    with pytest.raises(ValueError, match="encoder.item_embedding.*negative"):
+        task.encoder.item_embedding(torch.full((1, 2), -5))

@@ -92,6 +92,19 @@ def test_two_ranks_equal_one_process(one_process):
     assert row["lookups"] == table["lookups"] > 0 and 0 < row["ids_sent"]
 
 
+def test_two_ranks_dynamic_hash_table_equal_one_process():
+    """The category feature as a dynamic hash table (ids inserted on first sight; sharded by id on
+    2 ranks): the same losses as the one-process hash table (initial rows depend on the id only)."""
+    dynamic = dataclasses.replace(BASE, dynamic_features=["encoder.category_embedding"])
+    reference = train(dynamic, progress=False, log=lambda *a: None)
+    results = run_ranks(2, [("torchrec", dataclasses.replace(dynamic, sharding="row"), {}),
+                            ("native", dataclasses.replace(dynamic, sharding="row", sparse_backend="native"), {})])
+    for key in ("torchrec", "native"):
+        torch.testing.assert_close(torch.tensor(results[key]["losses"], dtype=torch.float64),
+                                   torch.tensor(reference["losses"], dtype=torch.float64), rtol=1e-5, atol=0)
+        assert results[key]["sparse_stats"]["lookups"] > 0
+
+
 def test_four_ranks_hierarchical_sparse_parallel_equal_one_process(one_process):
     jobs = [("hsp", sharded(sharding="row", sparse_backend="native", hsp_group_size=2), {"return_weights": True})]
     assert_same_training(run_ranks(4, jobs)["hsp"], one_process)
