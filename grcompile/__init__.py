@@ -18,7 +18,7 @@ __all__ = ["__version__", "optimize", "report", "Report", "GraphPass", "PassCont
 
 # option -> default; dump_dir None means "$GRCOMPILE_DUMP_DIR if set".
 OPTIONS: dict[str, Any] = {"dump_dir": None, "passes": None, "lowering": "inductor",
-                           "dynamic": False, "fullgraph": False}
+                           "dynamic": False, "fullgraph": False, "sparse": None}
 
 _STATE_ATTR = "_grcompile_state"
 
@@ -42,7 +42,10 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
     Options (as ``options={...}`` or keywords): ``dump_dir`` (default ``$GRCOMPILE_DUMP_DIR``),
     ``passes`` (``None`` -> ``grcompile.passes.default_pipeline()``, ``[]`` -> none, else a list of ``GraphPass``),
     ``lowering`` (``"inductor"`` or ``"eager"``: run the transformed graph as is),
-    ``dynamic`` and ``fullgraph`` (passed to torch.compile).
+    ``dynamic`` and ``fullgraph`` (passed to torch.compile), ``sparse`` (``None``: embeddings stay as
+    written; a dict of ``grcompile.runtime.shard_embeddings`` keywords, e.g.
+    ``{"backend": "torchrec", "sharding": "row"}``: the padded ``nn.Embedding`` lookups move to the
+    sharded sparse runtime first — the model is rewritten in place — and only the dense part is compiled).
     """
     opts = _merge_options(options, kwargs)
     if opts["lowering"] not in LOWERINGS:
@@ -57,7 +60,16 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
         if bad:
             raise TypeError(f"passes must be GraphPass instances, got {bad!r}")
     dump_dir: Path | None = resolve_dump_dir(opts["dump_dir"])
-    state = GrcompileState(passes=passes, lowering=opts["lowering"], dump_dir=dump_dir)
+    sparse_plan = ""
+    if opts["sparse"] is not None:
+        from .runtime import shard_embeddings
+
+        if not isinstance(opts["sparse"], dict):
+            raise TypeError(f"sparse must be a dict of shard_embeddings options, got {type(opts['sparse']).__name__}")
+        runtime = shard_embeddings(model, **opts["sparse"])
+        sparse_plan = f"{opts['sparse'].get('backend', 'local')} sparse runtime (dedup {runtime.dedup}): " \
+                      + runtime.plan.describe().replace("\n", "; ")
+    state = GrcompileState(passes=passes, lowering=opts["lowering"], dump_dir=dump_dir, sparse_plan=sparse_plan)
     compiled = torch.compile(model, backend=GrcompileBackend(state), dynamic=opts["dynamic"],
                              fullgraph=opts["fullgraph"])
     # object.__setattr__: OptimizedModule.__setattr__ would forward it to the wrapped model,

@@ -43,6 +43,7 @@ class GrcompileState:
     rewrites: list[dict[str, Any]] = field(default_factory=list)
     fallbacks: list[dict[str, Any]] = field(default_factory=list)
     counters: Counter[str] = field(default_factory=Counter)
+    sparse_plan: str = ""  # what the sparse runtime took over (optimize(sparse=...))
     # Dynamo counts graph breaks process-wide; we report the growth since optimize().
     graph_breaks_at_start: Counter[str] = field(default_factory=_graph_break_counts)
 
@@ -53,7 +54,7 @@ class GrcompileState:
         return Report(rewrites=list(self.rewrites), fallbacks=list(self.fallbacks),
                       compiles=self.compiles, graph_breaks=sum(reasons.values()),
                       counters=dict(self.counters), passes=[pass_name(p) for p in self.passes],
-                      lowering=self.lowering, graph_break_reasons=reasons)
+                      lowering=self.lowering, graph_break_reasons=reasons, sparse_plan=self.sparse_plan)
 
 
 class GrcompileBackend:

@@ -19,6 +19,7 @@ class Report:
     passes: list[str] = field(default_factory=list)                # pipeline, in order
     lowering: str = "inductor"
     graph_break_reasons: dict[str, int] = field(default_factory=dict)
+    sparse_plan: str = ""  # embeddings moved to the sparse runtime, if any
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -42,6 +43,8 @@ class Report:
             lines.append(f"  rewrite   graph {r.get('graph', '?')}  {r['pass']}: {r['op']}  at {r['site']}")
         for f in self.fallbacks:
             lines.append(f"  fallback  graph {f.get('graph', '?')}  {f['pass']}  at {f['site']}: {f['reason']}")
+        if self.sparse_plan:
+            lines.append(f"sparse: {self.sparse_plan}")
         if self.counters:
             lines.append("counters: " + ", ".join(f"{k}={v}" for k, v in sorted(self.counters.items())))
         for reason, n in sorted(self.graph_break_reasons.items()):

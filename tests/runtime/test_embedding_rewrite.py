@@ -124,6 +124,19 @@ def test_grcompile_keeps_one_graph_and_packs_ids_before_the_lookup():
     assert report.counters["fuse_attention.score_mod_attention"] == 1
 
 
+def test_optimize_with_sparse_option_rewrites_then_compiles():
+    reference = make_task()
+    task = copy.deepcopy(reference)
+    compiled = grcompile.optimize(task, sparse={"backend": "local", "dedup": "comm"})
+    assert isinstance(task.encoder.item_embedding, SparseFeature)
+    ids, ts, negatives = length_mix(5)
+    torch.testing.assert_close(compiled(ids, ts, negatives), reference(ids, ts, negatives))
+    report = grcompile.report(compiled)
+    assert "sparse: local sparse runtime (dedup comm): table merged_float64_d16" in str(report)
+    with pytest.raises(TypeError, match="sparse must be a dict"):
+        grcompile.optimize(make_task(), sparse="row")
+
+
 def test_bad_ids_name_the_feature():
     task = make_task()
     shard_embeddings(task)

@@ -105,6 +105,16 @@ def test_two_ranks_dynamic_hash_table_equal_one_process():
         assert results[key]["sparse_stats"]["lookups"] > 0
 
 
+def test_two_ranks_with_the_dense_part_compiled_by_grcompile(one_process):
+    """The sparse lookups stay opaque ops inside the one compiled graph (jagged, fused attention);
+    sharded + grcompile equals one eager process."""
+    short = dataclasses.replace(BASE, steps=6)
+    reference = train(short, progress=False, log=lambda *a: None)
+    got = run_ranks(2, [("compiled", dataclasses.replace(short, sharding="row", compile="grcompile"), {})])["compiled"]
+    torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64),
+                               torch.tensor(reference["losses"], dtype=torch.float64), rtol=1e-5, atol=0)
+
+
 def test_four_ranks_hierarchical_sparse_parallel_equal_one_process(one_process):
     jobs = [("hsp", sharded(sharding="row", sparse_backend="native", hsp_group_size=2), {"return_weights": True})]
     assert_same_training(run_ranks(4, jobs)["hsp"], one_process)
