@@ -151,7 +151,12 @@ def _bad_ids_worker(rank, world, init_file, results):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         _, _, _, task = build(BASE)
+        weight = task.encoder.item_embedding.weight.detach().clone()
         shard_embeddings(task, backend="torchrec", sharding="row")
+        # one rank has only padding (an empty KJT), the other real ids: both lookups complete
+        ids = torch.tensor([[5, 9, 0]]) if rank == 0 else torch.zeros(1, 3, dtype=torch.int64)
+        out = task.encoder.item_embedding(ids)
+        torch.testing.assert_close(out, weight[ids])
         messages = []
         for bad in (torch.tensor([[1, 121]]), torch.tensor([[-3, 1]]), torch.tensor([[1.0, 2.0]])):
             try:
@@ -164,7 +169,7 @@ def _bad_ids_worker(rank, world, init_file, results):
         dist.destroy_process_group()
 
 
-def test_bad_ids_fail_on_the_rank_before_any_collective():
+def test_bad_ids_fail_on_the_rank_before_any_collective_and_empty_lookups_work():
     with tempfile.TemporaryDirectory() as tmp:
         results = mp.get_context("spawn").Manager().dict()
         mp.spawn(_bad_ids_worker, args=(2, os.path.join(tmp, "init"), results), nprocs=2, join=True)
