@@ -17,17 +17,23 @@ returns a zero gradient for ``anchor``. Both ops are called in the same order on
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
 from typing import Iterator
 
 import torch
 
 from ..passes.op_semantics import register_embedding_like
 
-_RUNTIMES: dict[int, object] = {}
+# Weak: a runtime lives as long as the model whose SparseFeatures hold it. A strong registry kept
+# TorchRec modules (and their process-group work objects) alive into interpreter teardown, where
+# destroying them aborted a gloo rank at exit now and then.
+_RUNTIMES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count()
 
 
 def register_runtime(runtime: object) -> int:
-    handle = len(_RUNTIMES)
+    handle = next(_NEXT_HANDLE)
     _RUNTIMES[handle] = runtime
     return handle
 

@@ -14,6 +14,7 @@ ids / embedding bytes received from other ranks, summed over ranks.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -56,6 +57,7 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, results) -> Non
             results[(name, rank)] = {"step_time_ms": out["step_time_ms"], "sparse_stats": out["sparse_stats"],
                                      "final_loss": out["final_loss"]}
     finally:
+        gc.collect()  # the runtimes' TorchRec modules go while the process group and interpreter live
         dist.destroy_process_group()
 
 

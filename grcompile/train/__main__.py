@@ -7,6 +7,7 @@ Example (the README's ML-1M result)::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
                        progress=not args.no_progress, fail_at_step=args.fail_at_step)
     finally:
         if dist.is_initialized() and config.sharding is not None:
+            gc.collect()  # the runtime's TorchRec modules go while the process group and interpreter live
             dist.destroy_process_group()
     if config.sharding is not None and int(os.environ.get("RANK", "0")) != 0:
         return result

@@ -55,6 +55,8 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
     valid_loader = EvalLoader(split.valid, config.eval_batch_size, max_len)
     test_loader = EvalLoader(split.test, config.eval_batch_size, max_len)
     optimizers = make_optimizers(task, config, parallel)
+    if checkpoint_dir is not None:
+        parallel.check_checkpointable()
 
     from ..modes import apply_compile_mode, describe_mode
     step_fn = apply_compile_mode(task, config.compile)

@@ -68,6 +68,17 @@ class Parallel:
             log(f"[grcompile.train] sharding plan: {runtime.tables.describe()}")
         return cls(world=world, rank=rank, runtime=runtime, sharded=True)
 
+    def check_checkpointable(self) -> None:
+        """Fail at start, not at the first save: which sparse state a checkpoint can hold."""
+        if self.runtime is None:
+            return
+        if self.runtime.dynamic is not None:
+            raise NotImplementedError("checkpoints of dynamic hash tables are not written yet "
+                                      "(--dynamic-tables with --checkpoint-dir)")
+        if self.sharded and not hasattr(self.runtime.tables, "dmp"):
+            raise NotImplementedError("distributed checkpoints are written for the TorchRec backend (sharded "
+                                      "tensors); --sparse-backend native has none yet")
+
     def begin_step(self) -> None:
         if self.runtime is not None:
             self.runtime.new_step()
