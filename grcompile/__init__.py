@@ -70,6 +70,9 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
         sparse_plan = f"{opts['sparse'].get('backend', 'local')} sparse runtime (dedup {runtime.dedup}): " \
                       + runtime.plan.describe().replace("\n", "; ")
     state = GrcompileState(passes=passes, lowering=opts["lowering"], dump_dir=dump_dir, sparse_plan=sparse_plan)
+    if opts["sparse"] is not None:
+        state.counters["sparse.features"] = len(runtime.plan.features)
+        state.counters["sparse.tables"] = len(runtime.plan.tables)
     compiled = torch.compile(model, backend=GrcompileBackend(state), dynamic=opts["dynamic"],
                              fullgraph=opts["fullgraph"])
     # object.__setattr__: OptimizedModule.__setattr__ would forward it to the wrapped model,

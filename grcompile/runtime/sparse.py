@@ -65,6 +65,13 @@ class Tables(nn.Module):
         """Parameters a torch optimizer must step (empty when the backend's optimizer is fused)."""
         return list(self.parameters())
 
+    def _counted(self, module: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        """``module(rows)``, adding what its own ``stats`` counted for this call to ours."""
+        before = module.stats.as_dict()
+        out = module(rows)
+        self.stats.add(LookupStats(**{k: v - before[k] for k, v in module.stats.as_dict().items()}))
+        return out
+
 
 class LocalTables(Tables):
     """One process: a parameter per merged table."""
@@ -108,12 +115,7 @@ class NativeTables(Tables):
         self.sync_bytes = 0  # HSP: gradient rows sent across groups
 
     def lookup(self, table: str, rows: torch.Tensor) -> torch.Tensor:
-        module = self.tables[table]
-        before = LookupStats(**module.stats.as_dict())
-        out = module(rows)
-        delta = LookupStats(**{k: v - getattr(before, k) for k, v in module.stats.as_dict().items()})
-        self.stats.add(delta)
-        return out
+        return self._counted(self.tables[table], rows)
 
     def _shard(self, table: str) -> ShardedEmbedding:
         module = self.tables[table]
@@ -173,11 +175,8 @@ class DynamicTables(Tables):
 
     def lookup(self, table: str, rows: torch.Tensor) -> torch.Tensor:
         module = self.tables[table]
-        if hasattr(module, "stats"):
-            before = LookupStats(**module.stats.as_dict())
-            out = module(rows)
-            self.stats.add(LookupStats(**{k: v - getattr(before, k) for k, v in module.stats.as_dict().items()}))
-            return out
+        if hasattr(module, "stats"):  # sharded: it counts its own all-to-alls
+            return self._counted(module, rows)
         self.stats.add(LookupStats(rows_read=rows.numel(), lookups=1))
         return module(rows)
 

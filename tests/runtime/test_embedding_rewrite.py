@@ -133,6 +133,7 @@ def test_optimize_with_sparse_option_rewrites_then_compiles():
     torch.testing.assert_close(compiled(ids, ts, negatives), reference(ids, ts, negatives))
     report = grcompile.report(compiled)
     assert "sparse: local sparse runtime (dedup comm): table merged_float64_d16" in str(report)
+    assert report.counters["sparse.features"] == 2 and report.counters["sparse.tables"] == 1
     with pytest.raises(TypeError, match="sparse must be a dict"):
         grcompile.optimize(make_task(), sparse="row")
 
