@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from .launch import run_on_ranks
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,54 +37,47 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _worker(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
+def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     from grcompile.data import TrainLoader, get_dataset
     from grcompile.runtime import DEDUP_MODES, ShardedEmbedding
     from grcompile.runtime.hsp import HSPEmbedding
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.nproc)
-    try:
-        ds = get_dataset("synthetic", max_len=args.max_len, seed=args.seed,
-                         num_users=max(512, args.batch_size * args.steps))
-        loader = TrainLoader(ds.leave_one_out().train, args.batch_size, args.max_len, ds.num_items,
-                             num_negatives=args.num_negatives, seed=args.seed, per_position=False)
-        batches = []
-        for batch in loader.iterate(0):
-            rows = slice(rank * args.batch_size // args.nproc, (rank + 1) * args.batch_size // args.nproc)
-            ids, negatives = batch["ids"][rows], batch["negatives"][rows]
-            batches.append(torch.cat([ids[ids != 0], negatives.reshape(-1)]))
-            if len(batches) == args.steps:
-                break
-        full = torch.randn(ds.num_items + 1, args.dim, generator=torch.Generator().manual_seed(args.seed)) * 0.02
-        out = {}
-        for mode in DEDUP_MODES:
+    ds = get_dataset("synthetic", max_len=args.max_len, seed=args.seed,
+                     num_users=max(512, args.batch_size * args.steps))
+    loader = TrainLoader(ds.leave_one_out().train, args.batch_size, args.max_len, ds.num_items,
+                         num_negatives=args.num_negatives, seed=args.seed, per_position=False)
+    batches = []
+    for batch in loader.iterate(0):
+        rows = slice(rank * args.batch_size // args.nproc, (rank + 1) * args.batch_size // args.nproc)
+        ids, negatives = batch["ids"][rows], batch["negatives"][rows]
+        batches.append(torch.cat([ids[ids != 0], negatives.reshape(-1)]))
+        if len(batches) == args.steps:
+            break
+    full = torch.randn(ds.num_items + 1, args.dim, generator=torch.Generator().manual_seed(args.seed)) * 0.02
+    out = {}
+    for mode in DEDUP_MODES:
+        if args.group_size:
+            emb = HSPEmbedding(ds.num_items + 1, args.dim, group_size=args.group_size, name="item_id",
+                               dedup=mode, full_weight=full)
+        else:
+            emb = ShardedEmbedding(ds.num_items + 1, args.dim, name="item_id", dedup=mode, full_weight=full)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for ids in batches:
+            emb(ids).sum().backward()
             if args.group_size:
-                emb = HSPEmbedding(ds.num_items + 1, args.dim, group_size=args.group_size, name="item_id",
-                                   dedup=mode, full_weight=full)
-            else:
-                emb = ShardedEmbedding(ds.num_items + 1, args.dim, name="item_id", dedup=mode, full_weight=full)
-            dist.barrier()
-            t0 = time.perf_counter()
-            for ids in batches:
-                emb(ids).sum().backward()
-                if args.group_size:
-                    emb.sync_gradients()
-                    emb.weight.grad = None
-            sync = emb.sync_stats.embedding_bytes if args.group_size else 0
-            out[mode] = {**emb.stats.as_dict(), "lookup_ms": (time.perf_counter() - t0) * 1e3,
-                         "ids_looked_up": sum(len(b) for b in batches), "sync_bytes": sync}
-        results[rank] = out
-    finally:
-        dist.destroy_process_group()
+                emb.sync_gradients()
+                emb.weight.grad = None
+        sync = emb.sync_stats.embedding_bytes if args.group_size else 0
+        out[mode] = {**emb.stats.as_dict(), "lookup_ms": (time.perf_counter() - t0) * 1e3,
+                     "ids_looked_up": sum(len(b) for b in batches), "sync_bytes": sync}
+    return out
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        results = mp.get_context("spawn").Manager().dict()
-        mp.spawn(_worker, args=(args, os.path.join(tmp, "init"), results), nprocs=args.nproc, join=True)
-        per_rank = dict(results)
+    per_rank = run_on_ranks(_worker, args.nproc, args)
     modes = list(per_rank[0])
     keys = ["ids_looked_up", "ids_sent", "id_bytes", "rows_sent", "embedding_bytes", "rows_read", "sync_bytes"]
     summary = {}

@@ -14,14 +14,10 @@ ids / embedding bytes received from other ranks, summed over ranks.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
 import sys
-import tempfile
 
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from .launch import run_on_ranks
 
 PHASES = ("id_all_to_all", "table_lookup", "embedding_all_to_all", "sparse_forward", "sparse_backward",
           "dense_all_reduce", "hsp_sync", "dense_compute_and_optimizer", "total")
@@ -39,32 +35,28 @@ def parse_run(name: str) -> dict:
     return run
 
 
-def _worker(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
+def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     from grcompile.train.config import TrainConfig
     from grcompile.train.loop import train
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.nproc)
-    try:
-        for name in args.runs.split(","):
-            config = TrainConfig(
-                data="synthetic", preset="ml1m", max_len=args.max_len, batch_size=args.batch_size,
-                eval_batch_size=512, num_negatives=args.num_negatives, negatives="per-row", threads=1, epochs=1,
-                steps=args.steps, sparse_optimizer="sgd", sparse_lr=0.005, compile=args.compile,
-                synthetic={"num_users": max(2000, args.batch_size * (args.steps + 1))},
-                model_overrides={"embedding_dim": args.dim, "num_categories": 50, "dropout": 0.0},
-                **parse_run(name))
-            out = train(config, progress=False, log=lambda *a: None)
-            results[(name, rank)] = {"step_time_ms": out["step_time_ms"], "sparse_stats": out["sparse_stats"],
-                                     "final_loss": out["final_loss"]}
-    finally:
-        gc.collect()  # the runtimes' TorchRec modules go while the process group and interpreter live
-        dist.destroy_process_group()
+    out = {}
+    for name in args.runs.split(","):
+        config = TrainConfig(
+            data="synthetic", preset="ml1m", max_len=args.max_len, batch_size=args.batch_size,
+            eval_batch_size=512, num_negatives=args.num_negatives, negatives="per-row", threads=1, epochs=1,
+            steps=args.steps, sparse_optimizer="sgd", sparse_lr=0.005, compile=args.compile,
+            synthetic={"num_users": max(2000, args.batch_size * (args.steps + 1))},
+            model_overrides={"embedding_dim": args.dim, "num_categories": 50, "dropout": 0.0},
+            **parse_run(name))
+        result = train(config, progress=False, log=lambda *a: None)
+        out[name] = {k: result[k] for k in ("step_time_ms", "sparse_stats", "final_loss")}
+    return out
 
 
 def summarize(per_rank: dict, runs: list[str], nproc: int, steps: int) -> dict:
     summary = {}
     for name in runs:
-        ranks = [per_rank[(name, r)] for r in range(nproc)]
+        ranks = [per_rank[r][name] for r in range(nproc)]
         slowest = max(ranks, key=lambda r: r["step_time_ms"]["total"])["step_time_ms"]
         stats = {k: sum(r["sparse_stats"][k] for r in ranks) / steps for k in ranks[0]["sparse_stats"]}
         summary[name] = {"ms": {k: slowest.get(k, 0.0) for k in PHASES}, "steps_timed": slowest["steps_measured"],
@@ -126,10 +118,7 @@ def main(argv=None) -> int:
     runs = args.runs.split(",")
     for name in runs:
         parse_run(name)
-    with tempfile.TemporaryDirectory() as tmp:
-        results = mp.get_context("spawn").Manager().dict()
-        mp.spawn(_worker, args=(args, os.path.join(tmp, "init"), results), nprocs=args.nproc, join=True)
-        per_rank = dict(results)
+    per_rank = run_on_ranks(_worker, args.nproc, args)
     summary = summarize(per_rank, runs, args.nproc, args.steps)
     print_table(summary, args)
     if args.json:

@@ -1,15 +1,12 @@
 """Row-wise sharded lookups on 2 gloo processes: every dedup mode gives the unsharded table's
 values and gradients; two-stage dedup moves fewer ids and bytes on Zipf ids; bad ids fail
 before any collective; merged-table tags round-trip and reject overflow."""
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from grcompile.runtime import DEDUP_MODES, ShardedEmbedding, TableTags
+from grcompile.runtime.launch import run_on_ranks
 
 V, D = 97, 5
 
@@ -20,45 +17,38 @@ def zipf_ids(rank: int, shape=(6, 11)) -> torch.Tensor:
     return torch.multinomial(1.0 / ranks, shape[0] * shape[1], replacement=True, generator=g).view(shape)
 
 
-def _worker(rank: int, world: int, init_file: str, results: dict) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        full = torch.randn(V, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-        ids = zipf_ids(rank)
-        g = torch.randn(*ids.shape, D, generator=torch.Generator().manual_seed(20 + rank), dtype=torch.float64)
-        # reference: the unsharded table's gradient summed over all ranks' lookups
-        ref_grad = torch.zeros_like(full).index_add_(0, ids.reshape(-1), g.reshape(-1, D))
-        dist.all_reduce(ref_grad)
-        out = {}
-        for mode in DEDUP_MODES:
-            emb = ShardedEmbedding(V, D, dedup=mode, full_weight=full).double()
-            values = emb(ids)
-            (values * g).sum().backward()
-            torch.testing.assert_close(values, full[ids])
-            torch.testing.assert_close(emb.weight.grad, ref_grad[rank::world])
-            out[mode] = emb.stats.as_dict()
-        emb = ShardedEmbedding(V, D, name="item_id")
-        for bad, message in [(torch.tensor([0, V]), r"item_id: ids must lie in \[0, 97\)"),
-                             (torch.tensor([-1]), "item_id: ids must lie"),
-                             (torch.tensor([1.0]), "item_id: ids must be an int64")]:
-            try:
-                emb(bad)
-            except ValueError as e:
-                assert __import__("re").search(message, str(e)), str(e)
-            else:
-                raise AssertionError(f"no error for {bad}")
-        dist.barrier()  # nobody is stuck in a collective after the bad inputs
-        results[rank] = out
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int) -> dict:
+    full = torch.randn(V, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ids = zipf_ids(rank)
+    g = torch.randn(*ids.shape, D, generator=torch.Generator().manual_seed(20 + rank), dtype=torch.float64)
+    # reference: the unsharded table's gradient summed over all ranks' lookups
+    ref_grad = torch.zeros_like(full).index_add_(0, ids.reshape(-1), g.reshape(-1, D))
+    dist.all_reduce(ref_grad)
+    out = {}
+    for mode in DEDUP_MODES:
+        emb = ShardedEmbedding(V, D, dedup=mode, full_weight=full).double()
+        values = emb(ids)
+        (values * g).sum().backward()
+        torch.testing.assert_close(values, full[ids])
+        torch.testing.assert_close(emb.weight.grad, ref_grad[rank::world])
+        out[mode] = emb.stats.as_dict()
+    emb = ShardedEmbedding(V, D, name="item_id")
+    for bad, message in [(torch.tensor([0, V]), r"item_id: ids must lie in \[0, 97\)"),
+                         (torch.tensor([-1]), "item_id: ids must lie"),
+                         (torch.tensor([1.0]), "item_id: ids must be an int64")]:
+        try:
+            emb(bad)
+        except ValueError as e:
+            assert __import__("re").search(message, str(e)), str(e)
+        else:
+            raise AssertionError(f"no error for {bad}")
+    dist.barrier()  # nobody is stuck in a collective after the bad inputs
+    return out
 
 
 def test_sharded_lookup_all_dedup_modes_exact_and_two_stage_moves_less():
     world = 2
-    with tempfile.TemporaryDirectory() as tmp:
-        results = mp.get_context("spawn").Manager().dict()
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), results), nprocs=world, join=True)
-        stats = dict(results)
+    stats = run_on_ranks(_worker, world)
     for rank in range(world):
         s = stats[rank]
         assert s["none"]["ids_sent"] > s["comm"]["ids_sent"] == s["two_stage"]["ids_sent"]

@@ -14,15 +14,14 @@
   barrier afterwards).
 """
 import dataclasses
-import gc
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from grcompile.runtime.launch import run_on_ranks
 from grcompile.train.config import TrainConfig
 from grcompile.train.loop import train
 
@@ -35,30 +34,24 @@ BASE = TrainConfig(data="synthetic", preset="ml1m", max_len=24, batch_size=16, e
 METRICS = ("hr@10", "ndcg@10", "mrr")
 
 
-def _worker(rank, world, init_file, results, jobs):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        for key, config, kwargs in jobs:
-            out = train(config, progress=False, log=lambda *a: None, **kwargs)
-            if rank == 0:
-                results[key] = {k: out[k] for k in ("losses", "feature_weights", "dense_weights", *METRICS,
-                                                    "sparse_stats") if k in out}
-    finally:
-        gc.collect()  # the runtimes' TorchRec modules go while the process group and interpreter live
-        dist.destroy_process_group()
+def _worker(rank, world, jobs):
+    results = {}
+    for key, config, kwargs in jobs:
+        out = train(config, progress=False, log=lambda *a: None, **kwargs)
+        results[key] = {k: out[k] for k in ("losses", "feature_weights", "dense_weights", *METRICS,
+                                            "sparse_stats") if k in out}
+    return results if rank == 0 else None
 
 
 def run_ranks(world, jobs, expect_failure=False):
-    with tempfile.TemporaryDirectory() as tmp:
-        results = mp.get_context("spawn").Manager().dict()
-        try:
-            mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), results, jobs), nprocs=world, join=True)
-        except mp.ProcessExitedException:
-            if not expect_failure:
-                raise
-            return None
-        assert not expect_failure, "the run was expected to die"
-        return dict(results)
+    try:
+        results = run_on_ranks(_worker, world, jobs)
+    except mp.ProcessExitedException:
+        if not expect_failure:
+            raise
+        return None
+    assert not expect_failure, "the run was expected to die"
+    return results[0]
 
 
 @pytest.fixture(scope="module")
@@ -148,36 +141,29 @@ def test_checkpoints_resume_after_a_killed_rank_and_reshard(tmp_path):
         assert back["eval"][m] == on_four["train_on"][m]
 
 
-def _bad_ids_worker(rank, world, init_file, results):
+def _bad_ids_worker(rank, world):
     from grcompile.runtime import shard_embeddings
     from grcompile.train.loop import build
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        _, _, _, task = build(BASE)
-        weight = task.encoder.item_embedding.weight.detach().clone()
-        shard_embeddings(task, backend="torchrec", sharding="row")
-        # one rank has only padding (an empty KJT), the other real ids: both lookups complete
-        ids = torch.tensor([[5, 9, 0]]) if rank == 0 else torch.zeros(1, 3, dtype=torch.int64)
-        out = task.encoder.item_embedding(ids)
-        torch.testing.assert_close(out, weight[ids])
-        messages = []
-        for bad in (torch.tensor([[1, 121]]), torch.tensor([[-3, 1]]), torch.tensor([[1.0, 2.0]])):
-            try:
-                task.encoder.item_embedding(bad)
-            except ValueError as e:
-                messages.append(str(e))
-        dist.barrier()  # nobody is stuck in a lookup's all-to-all
-        results[rank] = messages
-    finally:
-        dist.destroy_process_group()
+    _, _, _, task = build(BASE)
+    weight = task.encoder.item_embedding.weight.detach().clone()
+    shard_embeddings(task, backend="torchrec", sharding="row")
+    # one rank has only padding (an empty KJT), the other real ids: both lookups complete
+    ids = torch.tensor([[5, 9, 0]]) if rank == 0 else torch.zeros(1, 3, dtype=torch.int64)
+    out = task.encoder.item_embedding(ids)
+    torch.testing.assert_close(out, weight[ids])
+    messages = []
+    for bad in (torch.tensor([[1, 121]]), torch.tensor([[-3, 1]]), torch.tensor([[1.0, 2.0]])):
+        try:
+            task.encoder.item_embedding(bad)
+        except ValueError as e:
+            messages.append(str(e))
+    dist.barrier()  # nobody is stuck in a lookup's all-to-all
+    return messages
 
 
 def test_bad_ids_fail_on_the_rank_before_any_collective_and_empty_lookups_work():
-    with tempfile.TemporaryDirectory() as tmp:
-        results = mp.get_context("spawn").Manager().dict()
-        mp.spawn(_bad_ids_worker, args=(2, os.path.join(tmp, "init"), results), nprocs=2, join=True)
-        results = dict(results)
+    results = run_on_ranks(_bad_ids_worker, 2)
     for rank in range(2):
         ranged, negative, dtype = results[rank]
         assert "feature 'encoder.item_embedding': ids must lie in [0, 121)" in ranged
