@@ -193,8 +193,6 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         result["dense_weights"] = dense_state(task)
     if parallel.distributed:
         result["sparse_stats"] = train_stats
-        result["table_checksums"] = {t: float(parallel.runtime.tables.full(t).double().abs().sum())
-                                     for t in parallel.runtime.tables.plan.tables}
     return result
 
 
