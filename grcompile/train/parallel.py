@@ -34,12 +34,8 @@ class Parallel:
     world: int = 1
     rank: int = 0
     runtime: Optional[SparseRuntime] = None
-    sharded: bool = False  # tables over a process group (else: a one-process runtime, or none)
+    distributed: bool = False  # tables over a process group (else: a one-process runtime, or none)
     seconds: dict[str, float] = field(default_factory=lambda: {"dense_all_reduce": 0.0, "hsp_sync": 0.0})
-
-    @property
-    def distributed(self) -> bool:
-        return self.sharded
 
     @classmethod
     def setup(cls, task: nn.Module, config: TrainConfig, log=print) -> "Parallel":
@@ -66,7 +62,7 @@ class Parallel:
                                    seed=config.seed, log=log if rank == 0 else None)
         if rank == 0 and hasattr(runtime.tables, "describe"):
             log(f"[grcompile.train] sharding plan: {runtime.tables.describe()}")
-        return cls(world=world, rank=rank, runtime=runtime, sharded=True)
+        return cls(world=world, rank=rank, runtime=runtime, distributed=True)
 
     def check_checkpointable(self) -> None:
         """Fail at start, not at the first save: which sparse state a checkpoint can hold."""
@@ -75,7 +71,7 @@ class Parallel:
         if self.runtime.dynamic is not None:
             raise NotImplementedError("checkpoints of dynamic hash tables are not written yet "
                                       "(--dynamic-tables with --checkpoint-dir)")
-        if self.sharded and not hasattr(self.runtime.tables, "dmp"):
+        if self.distributed and not hasattr(self.runtime.tables, "dmp"):
             raise NotImplementedError("distributed checkpoints are written for the TorchRec backend (sharded "
                                       "tensors); --sparse-backend native has none yet")
 
@@ -248,10 +244,8 @@ LATEST = "LATEST"
 
 
 def _sharded_state(parallel: Parallel) -> dict[str, Any]:
+    parallel.check_checkpointable()
     tables = parallel.runtime.tables
-    if not hasattr(tables, "dmp"):
-        raise NotImplementedError(f"distributed checkpoints are written for the TorchRec backend "
-                                  f"(sharded tensors); backend {type(tables).__name__} has none yet")
     # Loaded in place: the local shards of these sharded tensors are views of the TBE weights and
     # optimizer states. A rank without a shard (table-wise) has empty containers, which DCP would
     # take for missing leaves: pruned.
