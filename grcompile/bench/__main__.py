@@ -6,6 +6,7 @@
 
 Each mode runs ``python -m grcompile.bench.worker`` in a fresh process on the same seeded batches
 and initial weights; a mode that fails is recorded with its error instead of stopping the run.
+``--model path/to/file.py:factory`` benchmarks a user's model (grcompile/user_model.py).
 See grcompile/bench/README.md for the JSON schema.
 """
 from __future__ import annotations
@@ -19,8 +20,10 @@ import sys
 import tempfile
 import threading
 import time
+import inspect
 from typing import Any
 
+from grcompile.user_model import UserModelSpecError, is_user_spec, load_factory, load_user_model
 from models import PRESETS
 
 MODES = ("eager", "inductor", "grcompile")
@@ -29,9 +32,11 @@ RESULT_KEYS = ("step_ms", "peak_mem_mb", "tokens_per_s", "tflops")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m grcompile.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=sorted(PRESETS), default="hstu")
-    p.add_argument("--preset", default="small", help="preset name (models/presets.py)")
-    p.add_argument("--max-len", type=int, default=None, help="padded sequence length (default: the preset's)")
+    p.add_argument("--model", default="hstu", metavar="{%s} | FILE.py:FACTORY" % ",".join(sorted(PRESETS)),
+                   help="a built-in model, or a user's factory (grcompile/user_model.py)")
+    p.add_argument("--preset", default=None, help="preset name (models/presets.py) of a built-in model (default: small)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="padded sequence length (default: the preset's, or the max_len default of a user's factory)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--steps", type=int, default=5, help="timed steps per mode")
@@ -51,8 +56,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a bar chart (PNG) here")
     args = p.parse_args(argv)
-    if args.preset not in PRESETS[args.model]:
-        p.error(f"--preset {args.preset!r} unknown; choose from {sorted(PRESETS[args.model])}")
+    args.model_spec = args.model if is_user_spec(args.model) else None
+    if args.model_spec is not None:
+        if args.preset is not None:
+            p.error(f"--preset applies to the built-in models, not to {args.model!r}")
+        if args.max_len is None:
+            args.max_len = _factory_default_max_len(p, args.model)
+    elif args.model not in PRESETS:
+        p.error(f"--model {args.model!r}: choose from {', '.join(sorted(PRESETS))} or give FILE.py:FACTORY")
+    else:
+        args.preset = args.preset or "small"
+        if args.preset not in PRESETS[args.model]:
+            p.error(f"--preset {args.preset!r} unknown; choose from {sorted(PRESETS[args.model])}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -67,7 +82,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if args.model_spec is not None:  # fail here, once, with a usage error rather than in every worker
+        from .worker import user_factory_kwargs
+
+        try:
+            load_user_model(args.model_spec, **user_factory_kwargs(vars(args)))
+        except UserModelSpecError as exc:
+            p.error(str(exc))
     return args
+
+
+def _factory_default_max_len(p: argparse.ArgumentParser, spec: str) -> int:
+    try:
+        factory = load_factory(spec)
+    except UserModelSpecError as exc:
+        p.error(str(exc))
+    try:
+        default = inspect.signature(factory).parameters["max_len"].default
+    except (KeyError, TypeError, ValueError):
+        default = inspect.Parameter.empty
+    if not isinstance(default, int) or isinstance(default, bool):
+        p.error(f"--max-len is required: {spec} has no integer max_len default")
+    return default
 
 
 def _tail(text: str, lines: int = 30, chars: int = 4000) -> str:
@@ -158,9 +194,14 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def model_title(config: dict[str, Any]) -> str:
+    """``hstu/small`` for a built-in model, the spec for a user's."""
+    return config["model"] if config.get("preset") is None else f"{config['model']}/{config['preset']}"
+
+
 def format_table(report: dict[str, Any]) -> str:
     c = report["config"]
-    lines = [f"grcompile.bench: {c['model']}/{c['preset']}, max_len {c['max_len']}, batch {c['batch_size']}, "
+    lines = [f"grcompile.bench: {model_title(c)}, max_len {c['max_len']}, batch {c['batch_size']}, "
              f"{c['steps']} timed steps after {c['warmup']} warmup, seed {c['seed']}"]
     header = (f"{'mode':<10} {'step ms':>10} {'p10-p90 ms':>17} {'compile s':>9} {'peak MB':>9} {'tok/s':>9} "
               f"{'TFLOP/s':>8} {'speedup':>8} {'mem':>6} {'first loss':>11} {'last loss':>10}")
@@ -173,13 +214,15 @@ def format_table(report: dict[str, Any]) -> str:
         rt = report["ratios"].get(mode, {})
         spread = f"{r['step_ms_p10']:.1f}-{r['step_ms_p90']:.1f}"
         lines.append(f"{mode:<10} {r['step_ms']:>10.1f} {spread:>17} {r['compile_s']:>9.1f} {r['peak_mem_mb']:>9.0f} "
-                     f"{r['tokens_per_s']:>9.0f} {r['tflops']:>8.4f} {_fmt(rt.get('speedup_vs_eager'), '.2f'):>7}x "
+                     f"{r['tokens_per_s']:>9.0f} {_fmt(r['tflops'], '.4f'):>8} {_fmt(rt.get('speedup_vs_eager'), '.2f'):>7}x "
                      f"{_fmt(rt.get('mem_vs_eager'), '.2f'):>5}x {r['first_loss']:>11.6f} {r['last_loss']:>10.6f}")
     ok = [r for r in report["results"].values() if "error" not in r]
     if ok:
         r0 = ok[0]
+        flops = ("model FLOPs/step not counted (user model)" if r0.get("flops_per_step") is None
+                 else f"model FLOPs/step {r0['flops_per_step'] / 1e9:.4g} GFLOP (valid tokens only)")
         lines.append(f"valid tokens/step {r0['valid_tokens_per_step']:.0f}, padding {r0['padding_fraction']:.1%}, "
-                     f"model FLOPs/step {r0['flops_per_step'] / 1e9:.4g} GFLOP (valid tokens only), "
+                     f"{flops}, "
                      f"device {r0['device']}, torch {r0['torch_version']}, {r0['num_threads']} threads")
     for mode, r in report["results"].items():
         if "error" in r:
@@ -195,7 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     config = dict(model=args.model, preset=args.preset, max_len=args.max_len, batch_size=args.batch_size,
                   steps=args.steps, warmup=args.warmup, seed=args.seed, threads=args.threads,
                   num_users=args.num_users, num_items=args.num_items, num_negatives=args.num_negatives,
-                  dropout=args.dropout, pipeline=args.pipeline, device=args.device, dataset="synthetic")
+                  dropout=args.dropout, pipeline=args.pipeline, device=args.device, dataset="synthetic",
+                  model_spec=args.model_spec)
+    if args.model_spec is not None:  # the user's make_batch makes the data; these do not apply
+        config.update(num_users=None, num_negatives=None, dataset=f"{args.model_spec} make_batch")
     results: dict[str, dict[str, Any]] = {}
     for mode in args.modes:
         print(f"[grcompile.bench] running {mode} ...", file=sys.stderr, flush=True)

@@ -34,7 +34,8 @@ def plot_report(report: dict[str, Any], path: str) -> None:
         ax.set_ylim(0, top * 1.25)
         ax.grid(axis="y", alpha=0.3)
     device = next((r.get("device") for r in results.values() if "error" not in r), c.get("device", "?"))
-    fig.suptitle(f"{c['model']}/{c['preset']}  max_len {c['max_len']}  batch {c['batch_size']}  "
+    title = c["model"] if c.get("preset") is None else f"{c['model']}/{c['preset']}"
+    fig.suptitle(f"{title}  max_len {c['max_len']}  batch {c['batch_size']}  "
                  f"({device}, median of {c['steps']} steps)")
     fig.tight_layout()
     directory = os.path.dirname(os.path.abspath(path))

@@ -9,6 +9,11 @@ initial weights (``torch.manual_seed(seed)`` right before the model is built, an
 before the first step so dropout draws the same stream in eager), then applies the compile mode
 to the ``SampledSoftmaxRetrieval`` module and runs ``warmup + steps`` training steps of
 ``zero_grad → loss forward → backward → Adam step``, each timed with ``time.perf_counter``.
+
+A ``model`` of the form ``path/to/file.py:factory`` is a user's model (grcompile/user_model.py):
+the worker loads it itself (``max_len``, and ``num_items`` / ``dropout`` when given, go to the
+factory when it takes them), step ``i`` runs on ``user.batch(batch_size, max_len, seed + i)``,
+and the compiled module is ``StepLoss(user)`` (forward + ``user.step_loss``).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 DEFAULTS: dict[str, Any] = dict(model="hstu", preset="small", max_len=1024, batch_size=32, steps=5, warmup=2,
@@ -92,6 +98,61 @@ def batches(cfg: dict[str, Any], needed: int) -> tuple[list[dict[str, Any]], int
     return out, ds.num_items
 
 
+@dataclass
+class Workload:
+    """What one mode trains: ``task(*inputs[i])`` is the loss of step ``i``."""
+    task: Any  # torch.nn.Module
+    inputs: list[tuple]
+    valid_tokens: list[int]  # per step
+    shape: tuple[int, int]  # (B, N) of the padded batch
+    forward_flops: list[dict[str, int]] | None  # per step (analytic, valid tokens); None: not counted
+    fields: dict[str, Any]  # result fields of this kind of model (num_items, model_config)
+
+
+def builtin_workload(cfg: dict[str, Any], device: Any, total_steps: int) -> Workload:
+    """``SampledSoftmaxRetrieval`` over a model of models/ on the seeded synthetic loader."""
+    import torch
+
+    from grcompile.bench.flops import forward_flops, valid_lengths
+    from models import SampledSoftmaxRetrieval, build_encoder
+
+    data, num_items = batches(cfg, total_steps)
+    data = [{k: v.to(device) for k, v in b.items()} for b in data]
+    torch.manual_seed(int(cfg["seed"]))
+    encoder = build_encoder(cfg["model"], cfg["preset"], num_items, max_len=cfg["max_len"], dropout=cfg["dropout"])
+    task = SampledSoftmaxRetrieval(encoder, temperature=cfg["temperature"]).to(device)
+    lengths = [valid_lengths(b["ids"].cpu(), encoder.config.pad_id) for b in data]
+    return Workload(task, [(b["ids"], b["timestamps"], b["negatives"]) for b in data], [sum(ls) for ls in lengths],
+                    tuple(data[0]["ids"].shape), [forward_flops(encoder.config, ls, cfg["num_negatives"]) for ls in lengths],
+                    {"num_items": num_items, "model_config": encoder.config.to_dict()})
+
+
+def user_factory_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    """What a user's factory is offered (it gets those its signature takes): ``max_len``, and
+    ``num_items`` / ``dropout`` when set on the command line."""
+    return {"max_len": cfg["max_len"], **{k: cfg[k] for k in ("num_items", "dropout") if cfg.get(k) is not None}}
+
+
+def user_workload(cfg: dict[str, Any], device: Any, total_steps: int) -> Workload:
+    """A user's ``file.py:factory``: step ``i`` on ``user.batch(B, N, seed + i)``; valid tokens
+    from ``user.valid`` (every position when it is None); FLOPs are not counted."""
+    import torch
+
+    from grcompile.user_model import StepLoss, load_user_model
+
+    seed, B, N = int(cfg["seed"]), int(cfg["batch_size"]), int(cfg["max_len"])
+    kwargs = user_factory_kwargs(cfg)
+    torch.manual_seed(seed)
+    user = load_user_model(cfg["model"], **kwargs)
+    inputs = [tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in user.batch(B, N, seed + i))
+              for i in range(total_steps)]
+    tokens = [int(user.valid(*args).sum()) if user.valid is not None else B * N for args in inputs]
+    task = StepLoss(user).to(device)
+    config = {"spec": cfg["model"], "name": user.name, "module": type(user.module).__name__,
+              "parameters": sum(p.numel() for p in user.module.parameters()), "factory_kwargs": kwargs}
+    return Workload(task, inputs, tokens, (B, N), None, {"num_items": cfg.get("num_items"), "model_config": config})
+
+
 def _percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     if len(values) == 1:
@@ -106,8 +167,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from grcompile.bench.flops import TRAINING_MULTIPLIER, forward_flops, training_flops, valid_lengths
-    from models import SampledSoftmaxRetrieval, build_encoder
+    from grcompile.bench.flops import TRAINING_MULTIPLIER
+    from grcompile.user_model import is_user_spec
 
     cfg = {**DEFAULTS, **cfg}
     mode, seed = cfg["mode"], int(cfg["seed"])
@@ -122,18 +183,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     cuda = device.type == "cuda"
 
     total_steps = int(cfg["warmup"]) + int(cfg["steps"])
-    data, num_items = batches(cfg, total_steps)
-    data = [{k: v.to(device) for k, v in b.items()} for b in data]
-
-    torch.manual_seed(seed)
-    encoder = build_encoder(cfg["model"], cfg["preset"], num_items, max_len=cfg["max_len"], dropout=cfg["dropout"])
-    task = SampledSoftmaxRetrieval(encoder, temperature=cfg["temperature"]).to(device)
+    workload = (user_workload if is_user_spec(cfg["model"]) else builtin_workload)(cfg, device, total_steps)
+    task = workload.task
     task.train()
     optimizer = torch.optim.Adam(task.parameters(), lr=cfg["lr"])
     step_fn, describe = apply_mode(task, mode, cfg.get("pipeline", "default"))
 
-    pad = encoder.config.pad_id
-    lengths = [valid_lengths(b["ids"].cpu(), pad) for b in data]
     rss_before = current_rss_mb()
     if cuda:
         torch.cuda.synchronize()
@@ -141,10 +196,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
     torch.manual_seed(seed)
     times, losses = [], []
-    for i, b in enumerate(data):
+    for i, inputs in enumerate(workload.inputs):
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = step_fn(b["ids"], b["timestamps"], b["negatives"])
+        loss = step_fn(*inputs)
         loss.backward()
         optimizer.step()
         if cuda:
@@ -155,15 +210,17 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             f"peak RSS {peak_rss_mb():.0f} MB")
 
     timed = times[cfg["warmup"]:] if len(times) > cfg["warmup"] else times
-    timed_lengths = lengths[len(times) - len(timed):]
+    first_timed = len(times) - len(timed)
     median_s = statistics.median(timed)
-    B, N = data[0]["ids"].shape
-    tokens = [sum(ls) for ls in timed_lengths]
+    B, N = workload.shape
+    tokens = workload.valid_tokens[first_timed:]
     mean_tokens = sum(tokens) / len(tokens)
-    flops = [training_flops(encoder.config, ls, cfg["num_negatives"]) for ls in timed_lengths]
-    mean_flops = sum(flops) / len(flops)
-    parts = [forward_flops(encoder.config, ls, cfg["num_negatives"]) for ls in timed_lengths]
-    breakdown = {k: TRAINING_MULTIPLIER * sum(p[k] for p in parts) / len(parts) for k in parts[0]}
+    mean_flops: float | None = None
+    breakdown: dict[str, float] | None = None
+    if workload.forward_flops is not None:
+        parts = workload.forward_flops[first_timed:]
+        breakdown = {k: TRAINING_MULTIPLIER * sum(p[k] for p in parts) / len(parts) for k in parts[0]}
+        mean_flops = breakdown["total"]
     rss_peak = peak_rss_mb()
     cuda_peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
 
@@ -185,15 +242,14 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "padding_fraction": 1.0 - mean_tokens / (B * N),
         "flops_per_step": mean_flops,
         "flops_breakdown_per_step": breakdown,
-        "tflops": mean_flops / median_s / 1e12,
+        "tflops": None if mean_flops is None else mean_flops / median_s / 1e12,
         "first_loss": losses[0],
         "last_loss": losses[-1],
         "losses": losses,
         "device": str(device) if not cuda else f"{device} ({torch.cuda.get_device_name(device)})",
         "torch_version": torch.__version__,
         "num_threads": torch.get_num_threads(),
-        "num_items": num_items,
-        "model_config": encoder.config.to_dict(),
+        **workload.fields,
     }
 
 
