@@ -84,3 +84,35 @@ def test_failing_mode_is_recorded() -> None:
     assert ratios(results)["no-such-mode"] == {"speedup_vs_eager": None, "mem_vs_eager": None}
     table = format_table({"config": dict(config, steps=1), "results": {"no-such-mode": r}, "ratios": {}})
     assert "FAILED" in table
+
+
+def test_cli_user_model(tmp_path: Path) -> None:
+    """``--model examples/sasrec_mha.py:factory``: same schema (+ config.model_spec), the user's
+    batches (valid tokens from its ``valid``), the same weights in every mode, FLOPs not counted."""
+    from grcompile.user_model import load_user_model
+
+    spec = "examples/sasrec_mha.py:factory"
+    out_json, out_png = tmp_path / "u.json", tmp_path / "u.png"
+    cmd = [sys.executable, "-m", "grcompile.bench", "--model", spec, "--max-len", "8", "--batch-size", "4",
+           "--steps", "1", "--warmup", "0", "--modes", "eager,grcompile", "--seed", "3",
+           "--json", str(out_json), "--plot", str(out_png)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out_json.read_text())
+    assert set(report) == {"config", "results", "ratios"}
+    c = report["config"]
+    assert c["model"] == c["model_spec"] == spec and c["preset"] is None and (c["max_len"], c["batch_size"]) == (8, 4)
+    user = load_user_model(str(REPO / spec), max_len=8)
+    (ids,) = user.batch(4, 8, seed=3)  # the only (timed) step: seed + 0
+    eager, grc = report["results"]["eager"], report["results"]["grcompile"]
+    for r in (eager, grc):
+        assert r["valid_tokens_per_step"] == int((ids != 0).sum())
+        assert r["padding_fraction"] == pytest.approx(1 - int((ids != 0).sum()) / 32)
+        assert r["tokens_per_s"] == pytest.approx(r["valid_tokens_per_step"] / (r["step_ms"] / 1e3))
+        assert r["peak_mem_mb"] == r["peak_rss_mb"] > 0 and r["step_ms"] > 0  # CPU: process high-water RSS
+        assert r["tflops"] is None and r["flops_per_step"] is None
+        assert r["model_config"]["module"] == "SASRecMHA" and r["model_config"]["factory_kwargs"] == {"max_len": 8}
+    assert grc["first_loss"] == pytest.approx(eager["first_loss"], rel=1e-5)  # same batch and weights
+    assert set(report["ratios"]["grcompile"]) == {"speedup_vs_eager", "mem_vs_eager"}
+    assert f"grcompile.bench: {spec}, max_len 8" in proc.stdout and "not counted (user model)" in proc.stdout
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
