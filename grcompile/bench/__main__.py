@@ -45,10 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each worker")
     p.add_argument("--num-users", type=int, default=None,
                    help="synthetic users (default: max(512, 2 x batch x (warmup + steps)))")
-    p.add_argument("--num-items", type=int, default=None, help="synthetic items (default: the generator's, 3000)")
+    p.add_argument("--num-items", type=int, default=None, help="synthetic items (default: the generator's, 3000); "
+                                                                  "a user's factory gets num_items= if it takes it")
     p.add_argument("--num-negatives", type=int, default=128)
     p.add_argument("--dropout", type=float, default=None,
-                   help="override the preset's dropout (0 makes losses comparable across modes)")
+                   help="override the preset's dropout (0 makes losses comparable across modes); "
+                        "a user's factory gets dropout= if it takes it")
     p.add_argument("--pipeline", choices=("default", "attention", "jagged"), default="default",
                    help="grcompile's pass pipeline (default: grcompile.passes.default_pipeline(), the jagged one)")
     p.add_argument("--device", default="cpu")
