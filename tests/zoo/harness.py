@@ -1,0 +1,159 @@
+"""Eager vs ``grcompile.optimize`` on the zoo models: values at the positions that count and every
+parameter gradient, in train and eval mode, across mode switches and shape changes.
+
+A zoo model is a file ``tests/zoo/<name>.py`` with ``factory(max_len, num_items, dropout, **kw)
+-> UserModel`` and ``EXPECT = {"fused_attention": n, "jagged": bool, "dense_reason": str}``: the
+rewrites that are *legal* on it (the target), not what today's pipeline happens to deliver.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import grcompile
+from grcompile.user_model import UserModel, as_tuple
+
+ZOO_DIR = Path(__file__).parent
+_NOT_MODELS = {"__init__", "harness", "batches", "table", "test_zoo", "conftest"}
+MODELS = sorted(p.stem for p in ZOO_DIR.glob("*.py") if p.stem not in _NOT_MODELS)
+
+# float32 tolerances of the project's float32 equivalence tests (tests/compiler, tests/passes)
+RTOL, ATOL = 1e-4, 1e-5
+MAX_LEN, NUM_ITEMS, BATCH = 12, 40, 5
+
+
+def load(name: str, max_len: int = MAX_LEN, num_items: int = NUM_ITEMS, dropout: float = 0.0,
+         seed: int = 0) -> tuple[UserModel, dict[str, Any]]:
+    """The model (seeded init, dropout 0 by default so train mode is deterministic) and its EXPECT."""
+    module = importlib.import_module(f"tests.zoo.{name}")
+    torch.manual_seed(seed)
+    user = module.factory(max_len=max_len, num_items=num_items, dropout=dropout)
+    user.name = user.name or name
+    return user, dict(module.EXPECT)
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for k in sorted(out) for t in _tensors(out[k])]
+    return []
+
+
+def _masked(t: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """``t`` with the positions that do not count set to 0 (``where``, not ``*``: padding may be NaN)."""
+    if valid is None or t.shape[: valid.dim()] != valid.shape:
+        return t
+    m = valid.reshape(*valid.shape, *([1] * (t.dim() - valid.dim())))
+    return torch.where(m, t, torch.zeros((), dtype=t.dtype))
+
+
+def assert_outputs_close(got: Any, ref: Any, valid: torch.Tensor | None, what: str) -> None:
+    g, r = _tensors(got), _tensors(ref)
+    assert len(g) == len(r), f"{what}: {len(g)} output tensors, eager gives {len(r)}"
+    for i, (a, b) in enumerate(zip(g, r)):
+        assert a.shape == b.shape, f"{what}: output {i} has shape {tuple(a.shape)}, eager {tuple(b.shape)}"
+        torch.testing.assert_close(_masked(a, valid), _masked(b, valid), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, i=i: f"{what}: output {i} differs from eager\n{m}")
+
+
+@dataclass
+class Pair:
+    """One eager model and an optimized deep copy of it (same parameters, separate gradients)."""
+    user: UserModel
+    lowering: str
+    optimized: torch.nn.Module = field(init=False)
+    copy: torch.nn.Module = field(init=False)
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.copy = copy.deepcopy(self.user.module)
+        self.optimized = grcompile.optimize(self.copy, lowering=self.lowering)
+
+    def report(self) -> grcompile.Report:
+        return grcompile.report(self.optimized)
+
+    def step(self, batch_size: int, max_len: int, seed: int, train: bool, grad: bool = True) -> None:
+        """One forward (+ backward when ``grad``) on both; asserts equal outputs and gradients."""
+        args = as_tuple(self.user.make_batch(batch_size, max_len, seed))
+        valid = self.user.valid(*args) if self.user.valid is not None else None
+        what = (f"{self.user.name} [{self.lowering} lowering, {'train' if train else 'eval'}"
+                f"{'' if grad else ' no_grad'}, B={batch_size} N={max_len} seed={seed}, step {self.steps}]")
+        self.steps += 1
+        self.user.module.train(train)
+        self.optimized.train(train)
+        if not grad:
+            with torch.no_grad():
+                ref = self.user.module(*args)
+                got = self.optimized(*args)
+            assert_outputs_close(got, ref, valid, what)
+            return
+        for m in (self.user.module, self.copy):
+            m.zero_grad(set_to_none=True)
+        ref = self.user.module(*args)
+        ref_loss = self.user.step_loss(ref, args)
+        assert torch.isfinite(ref_loss), f"{what}: the eager loss is not finite (a zoo model bug)"
+        ref_loss.backward()
+        got = self.optimized(*args)
+        got_loss = self.user.step_loss(got, args)
+        assert_outputs_close(got, ref, valid, what)
+        torch.testing.assert_close(got_loss, ref_loss, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: loss\n{m}")
+        got_loss.backward()
+        ref_params = dict(self.user.module.named_parameters())
+        for n, p in self.copy.named_parameters():
+            r = ref_params[n].grad
+            if r is None:
+                assert p.grad is None or not p.grad.any(), f"{what}: {n} has a gradient, eager none"
+                continue
+            assert p.grad is not None, f"{what}: {n} has no gradient, eager has one"
+            torch.testing.assert_close(p.grad, r, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, n=n: f"{what}: gradient of {n} differs from eager\n{m}")
+
+
+def run_sequence(name: str, lowering: str, shapes: bool = True) -> tuple[grcompile.Report, grcompile.Report]:
+    """train -> eval (grad) -> eval (no_grad) -> train on one optimized module, then (``shapes``)
+    train steps with other batch sizes and padded lengths. Returns the report after the first step
+    (what the first compile did) and at the end."""
+    user, _ = load(name)
+    pair = Pair(user, lowering)
+    pair.step(BATCH, MAX_LEN, seed=0, train=True)
+    first = copy.deepcopy(pair.report())
+    _FIRST_REPORTS[(name, lowering)] = first
+    pair.step(BATCH, MAX_LEN, seed=1, train=False)
+    pair.step(BATCH, MAX_LEN, seed=2, train=False, grad=False)
+    pair.step(BATCH, MAX_LEN, seed=3, train=True)
+    if shapes:
+        for i, (b, n) in enumerate([(4, 9), (6, MAX_LEN), (3, 7)]):
+            pair.step(b, n, seed=10 + i, train=True)
+    return first, pair.report()
+
+
+_FIRST_REPORTS: dict[tuple[str, str], grcompile.Report] = {}
+
+
+def first_report(name: str, lowering: str = "eager") -> grcompile.Report:
+    """The report of one compiled (and checked) training step: what the pipeline does to the first
+    graph. Reuses the first step of ``run_sequence`` when it ran in this process."""
+    if (name, lowering) not in _FIRST_REPORTS:
+        user, _ = load(name)
+        pair = Pair(user, lowering)
+        pair.step(BATCH, MAX_LEN, seed=0, train=True)
+        _FIRST_REPORTS[(name, lowering)] = copy.deepcopy(pair.report())
+    return _FIRST_REPORTS[(name, lowering)]
+
+
+def fused_count(report: grcompile.Report) -> int:
+    return report.counters.get("fuse_attention.score_mod_attention", 0)
+
+
+def jagged(report: grcompile.Report) -> bool:
+    """The row-wise block runs on values ``[T, ...]``: jagged_rewrite rewrote ops and gave up nowhere."""
+    return (any(r["pass"] == "jagged_rewrite" for r in report.rewrites)
+            and not any(f["pass"] == "jagged_rewrite" for f in report.fallbacks))

@@ -1,0 +1,124 @@
+"""The zoo: padded sequential recommenders written in outside styles (one file each, see
+harness.py), run through ``grcompile.optimize``.
+
+- exactness (never wrong, never a crash): values at the positions that count and every parameter
+  gradient equal eager, train -> eval -> eval(no_grad) -> train on one optimized module, then
+  batch sizes and padded lengths that change between calls. Eager lowering for every model in the
+  default run, inductor for a few (all of them under ``-m slow``).
+- expectations: each model's ``EXPECT`` is what is *legal* on it; where today's pipeline does not
+  deliver it the test is a strict xfail naming what is missing, so this file says what works.
+"""
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+from .harness import (BATCH, MAX_LEN, MODELS, Pair, first_report, fused_count, jagged, load, run_sequence)
+
+# inductor lowering in the default run: one MHA, one hand-written additive-mask, one HSTU, the
+# sequence-axis softmax (inductor's own attention rewrite), the conv + non-affine norm
+INDUCTOR_DEFAULT = ["mha_batch_first", "recbole_sasrec", "hstu_onehot_einsum", "linrec", "conv_ffn_nonaffine"]
+
+# model -> what today's pipeline does not deliver of its EXPECT (strict xfail: a pass that starts
+# to deliver it turns the test into a failure, and the entry is then removed)
+NOT_YET: dict[str, str] = {}
+
+# models whose fallback reasons are not yet sentences naming the user's op (raw reprs)
+NOT_YET_SENTENCES: dict[str, str] = {}
+
+# at most 2 compiles while B, N and the length mix vary (issue 10, symbolic shapes)
+NOT_YET_SHAPES: dict[str, str] = {}
+SHAPE_MODELS = ["hstu_onehot_einsum", "recbole_sasrec", "mha_batch_first"]
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _xfail(names, why: dict[str, str]):
+    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=f"not yet: {why[n]}")) if n in why else n
+            for n in names]
+
+
+def test_zoo_is_complete():
+    assert len(MODELS) >= 18, MODELS
+    for name in MODELS:
+        user, expect = load(name)
+        assert set(expect) == {"fused_attention", "jagged", "dense_reason"}, name
+        dense = expect["fused_attention"] == 0 or not expect["jagged"]
+        assert bool(expect["dense_reason"]) == (not expect["jagged"]), f"{name}: say why it stays dense"
+        assert dense or not expect["dense_reason"], name
+        args = user.batch(BATCH, MAX_LEN, 0)
+        ids = args[0]
+        assert ids.shape == (BATCH, MAX_LEN) and ids.dtype == torch.long, name
+        tokens = ids != 0
+        assert (~tokens).all(1).any(), f"{name}: the batch needs an all-padding row"
+        assert (tokens[:, 0] & tokens[:, -1]).any(), f"{name}: the batch needs a full-span row"
+        assert (tokens.sum(1) == 1).any(), f"{name}: the batch needs a length-1 row"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_exact_eager_lowering(name):
+    run_sequence(name, "eager")
+
+
+@pytest.mark.parametrize("name", INDUCTOR_DEFAULT)
+def test_exact_inductor_lowering(name):
+    run_sequence(name, "inductor", shapes=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_exact_inductor_lowering_with_shape_changes(name):
+    run_sequence(name, "inductor")
+
+
+@pytest.mark.parametrize("name", _xfail(MODELS, NOT_YET))
+def test_expected_rewrites(name):
+    report = first_report(name)
+    _, expect = load(name)
+    assert fused_count(report) == expect["fused_attention"], f"fused attentions vs EXPECT\n{report}"
+    assert jagged(report) == expect["jagged"], f"row-wise block jagged vs EXPECT\n{report}"
+    if expect["dense_reason"]:  # what stays dense says why
+        assert report.fallbacks, f"{name} stays dense without a reason in the report\n{report}"
+
+
+_RAW = re.compile(r"<built-in|<function|<method| at 0x[0-9a-f]+")
+
+
+@pytest.mark.parametrize("name", _xfail(MODELS, NOT_YET_SENTENCES))
+def test_fallback_reasons_are_sentences(name):
+    report = first_report(name)
+    for f in report.fallbacks:
+        assert not _RAW.search(f["reason"]), f"raw repr in a fallback reason: {f}"
+        assert f["site"].startswith(f"{name}.py:") or f["site"].startswith("<graph"), \
+            f"fallback site does not name the user's line: {f}"
+
+
+@pytest.mark.parametrize("name", _xfail(SHAPE_MODELS, NOT_YET_SHAPES))
+def test_few_compiles_while_shapes_vary(name):
+    """B, N and the length mix change every step: exact every time, at most 2 compiles."""
+    user, _ = load(name)
+    pair = Pair(user, "eager")
+    for i, (b, n) in enumerate([(5, 12), (3, 12), (5, 9), (6, 7), (2, 11), (4, 12), (6, 10), (3, 8)]):
+        pair.step(b, n, seed=20 + i, train=True)
+    report = pair.report()
+    assert report.compiles <= 2, f"{report.compiles} compiles for 8 shapes\n{report}"
+
+
+def test_user_jagged_ops_do_not_recompile_per_length_mix():
+    """fbgemm dense_to_jagged in forward: T is data dependent; a new length mix at the same B and N
+    must reuse the compiled graphs."""
+    user, _ = load("fbgemm_user_jagged")
+    pair = Pair(user, "eager")
+    pair.step(BATCH, MAX_LEN, seed=0, train=True)
+    compiles = pair.report().compiles
+    for seed in (1, 2, 3):
+        pair.step(BATCH, MAX_LEN, seed=seed, train=True)
+    assert pair.report().compiles == compiles, pair.report()
