@@ -85,14 +85,16 @@ register_op("gated_norm", reference=_gated_norm_reference)
 
 @torch.library.custom_op("grcompile::gated_norm", mutates_args=())
 def gated_norm(x: torch.Tensor, u: Optional[torch.Tensor], *, kind: str, eps: float) -> torch.Tensor:
-    """``u ⊙ norm(x)`` (``norm(x)`` if ``u`` is None); see the module docstring."""
-    return lookup("gated_norm", x.device.type)(x, u, kind=kind, eps=eps)
+    """``u ⊙ norm(x)`` (``norm(x)`` if ``u`` is None); see the module docstring. The output is
+    contiguous whatever the inputs' strides (a transposed ``x`` is the Conv1d feed-forward's
+    usual layout): the fake kernel promises exactly that, so compiled code agrees with it."""
+    return lookup("gated_norm", x.device.type)(x, u, kind=kind, eps=eps).contiguous()
 
 
 @gated_norm.register_fake
 def _(x, u, *, kind, eps):
     _check(x, u, kind, eps)
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, like the real output
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):

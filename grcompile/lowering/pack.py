@@ -20,5 +20,10 @@ def pack_index(valid: torch.Tensor) -> torch.Tensor:
 @pack_index.register_fake
 def _(valid):
     ctx = torch.library.get_ctx()
-    T = ctx.new_dynamic_size(max=valid.numel())
+    n = valid.numel()
+    if isinstance(n, int):
+        T = ctx.new_dynamic_size(max=n)
+    else:  # symbolic B or N: the bound is an expression, which new_dynamic_size cannot take
+        T = ctx.new_dynamic_size()
+        torch._check(T <= n)
     return valid.new_empty(T, dtype=torch.int64)

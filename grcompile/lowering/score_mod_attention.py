@@ -57,8 +57,9 @@ def _packed(q, k, v, valid, q_sides, k_sides):
 
 
 def _kwargs(q, valid, score_mod, normalize, causal, dropout_p):
+    # max_len >= 1 for the kernel's checks; with N == 0 there is no token, so the bound is moot
     return dict(score_mod=score_mod, use_qk=q is not None, activation=_ACTIVATION[normalize], scale=1.0,
-                out_scale=1.0, causal=causal, max_len=valid.shape[1], dropout_p=dropout_p)
+                out_scale=1.0, causal=causal, max_len=max(1, valid.shape[1]), dropout_p=dropout_p)
 
 
 @torch.library.custom_op("grcompile::score_mod_attention", mutates_args=())
@@ -79,7 +80,7 @@ def score_mod_attention(q: Optional[torch.Tensor], k: Optional[torch.Tensor], v:
 @score_mod_attention.register_fake
 def _(q, k, v, valid, q_sides, k_sides, tables, seed, score_mod, normalize, causal, dropout_p):
     _check(q, k, v, valid, q_sides, k_sides, normalize)
-    return torch.empty_like(v)
+    return v.new_empty(v.shape)  # contiguous, like jagged_to_dense's result whatever v's strides
 
 
 @torch.library.custom_op("grcompile::score_mod_attention_backward", mutates_args=())
@@ -98,13 +99,14 @@ def score_mod_attention_backward(grad: torch.Tensor, q: Optional[torch.Tensor], 
     dense = [jagged_to_dense(g, index, B, N) if q is not None else grad.new_empty(0) for g in (dq, dk)]
     sides = [jagged_to_dense(g, index, B, N) if s.is_floating_point() else grad.new_empty(0)
              for g, s in zip([*dqs, *dks], [*q_sides, *k_sides])]
-    return [*dense, jagged_to_dense(dv, index, B, N), *sides, *dtables]
+    return [*dense, jagged_to_dense(dv, index, B, N), *sides, *(d.contiguous() for d in dtables)]
 
 
 @score_mod_attention_backward.register_fake
 def _(grad, q, k, v, valid, q_sides, k_sides, tables, score_mod, normalize, causal, seed, dropout_p):
-    return [torch.empty_like(t) if t is not None else grad.new_empty(0) for t in (q, k)] + [torch.empty_like(v)] + \
-        [torch.empty_like(t) if t.is_floating_point() else grad.new_empty(0) for t in (*q_sides, *k_sides, *tables)]
+    # every gradient is contiguous (the real one is scattered back densely), whatever the inputs' strides
+    return [t.new_empty(t.shape) if t is not None else grad.new_empty(0) for t in (q, k)] + [v.new_empty(v.shape)] + \
+        [t.new_empty(t.shape) if t.is_floating_point() else grad.new_empty(0) for t in (*q_sides, *k_sides, *tables)]
 
 
 def _setup_context(ctx, inputs, output):
