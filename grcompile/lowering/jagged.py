@@ -84,6 +84,20 @@ def positions_in_row(offsets: torch.Tensor, T: int) -> torch.Tensor:
     return tokens - offsets.index_select(0, row_of(offsets, T))
 
 
+def segment_softmax(values: torch.Tensor, rows: torch.Tensor, B: int, log: bool = False) -> torch.Tensor:
+    """Softmax of ``values [T, *F]`` over the values of each row (``rows [T]``), per feature: the
+    padded ``softmax(x, dim=seq)`` when the padded logits are masked out (−inf). A row whose
+    values are all −inf gives NaN, as the dense softmax does."""
+    shape = (B, *values.shape[1:])
+    idx = rows.reshape(-1, *[1] * (values.dim() - 1)).expand_as(values)
+    # the shift only guards exp() against overflow; the result does not depend on it
+    top = values.new_full(shape, float("-inf")).scatter_reduce(0, idx, values.detach(), "amax", include_self=True)
+    shifted = values - top.index_select(0, rows)
+    e = shifted.exp()
+    total = values.new_zeros(shape).index_add(0, rows, e).index_select(0, rows)
+    return shifted - total.log() if log else e / total
+
+
 def pack(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Convenience: ``(values, valid_index, offsets)`` of ``x [B, N, *F]`` under ``valid``."""
     index = jagged_index(valid)
@@ -91,4 +105,4 @@ def pack(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 __all__ = ["lengths_to_offsets", "valid_lengths", "valid_to_offsets", "jagged_index", "dense_to_jagged",
-           "jagged_to_dense", "padded_positions", "row_of", "positions_in_row", "pack"]
+           "jagged_to_dense", "padded_positions", "row_of", "positions_in_row", "pack", "segment_softmax"]

@@ -19,12 +19,15 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..capture.pass_manager import GraphPass, PassContext, copy_graph
+from ..capture.pass_manager import GraphPass, PassContext, copy_graph, node_site
 from ..lowering import pack as _pack  # noqa: F401 (registers grcompile::pack_index)
 from ..lowering import attention as _attention  # noqa: F401 (registers grcompile::jagged_attention)
-from ..lowering.jagged import jagged_to_dense, valid_to_offsets
+from ..lowering.jagged import jagged_to_dense, segment_softmax, valid_to_offsets
 from .attention_capture import Unsupported, side_value, _Any
 from .detect_padding import analyse
+from .jagged_exits import ExitEmitter, prove_reads_valid, segment_kind, selection_kind
+from .jagged_region import ZeroAtPadding, feature_index, hoist_validity, sequence_softmaxes, shrink
+from . import row_spellings
 from .layout import Token, TupleOf
 from .op_semantics import arg, canonical, shape_of
 
@@ -33,6 +36,9 @@ _POINTWISE = ("ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "add", "su
 _HANDLED = _POINTWISE + ("linear", "layer_norm", "rms_norm", "normalize", "softmax", "embedding", "reshape",
                          "unsqueeze", "squeeze", "transpose", "permute", "expand", "split", "chunk", "getitem",
                          "cat", "matmul", "reduce", "fused_attention")
+
+
+_WORK = ("embedding", "linear", "layer_norm", "rms_norm", "matmul", "fused_attention")
 
 
 def _token_axes(layout: Token) -> list[int]:
@@ -47,20 +53,60 @@ class JaggedRewrite(GraphPass):
     name = "jagged_rewrite"
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        saved = copy_graph(gm.graph)
+        spelled = row_spellings.normalise(gm)  # conv1x1 -> linear, ...: undone with the rest on a fallback
         info = analyse(gm)  # fresh layouts: earlier passes added nodes
         if info is None:
-            return
-        saved = copy_graph(gm.graph)
-        try:
-            converted = _Rewriter(gm, info).run()
-            if converted:
-                _allow_data_dependent_sizes(gm)
-        except Unsupported as e:
             gm.graph = saved
-            ctx.fallback(e.node, f"jagged rewrite skipped: {e}")
             return
+        # the graph ends at the frame's return (no graph break): its outputs are what the user gets,
+        # and their padded positions are not part of the contract (exact at valid positions)
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        outputs_free = reason is not None and getattr(reason, "graph_break", True) is False
+        dense: dict[str, str] = {}  # region nodes whose jagged form failed: kept dense, retried
+        while True:
+            try:
+                rewriter = _Rewriter(gm, info, dense, outputs_free)
+                converted = rewriter.run()
+                if converted:
+                    _allow_data_dependent_sizes(gm)
+                break
+            except _KeepDense as e:
+                gm.graph = copy_graph(saved)
+                row_spellings.normalise(gm)
+                info = analyse(gm)
+                if e.name in dense or len(dense) >= _MAX_DENSE or info is None:
+                    gm.graph = saved
+                    ctx.fallback(e.node, f"jagged rewrite skipped: {e.reason}")
+                    return
+                dense[e.name] = e.reason
+            except Unsupported as e:
+                gm.graph = saved
+                ctx.fallback(e.node, f"jagged rewrite skipped: {e}")
+                return
+        if not converted:
+            gm.graph = saved  # nothing went jagged: the user's spellings stay as they were
+        else:
+            for key, n in spelled.items():
+                ctx.count(key, n)
         for op, node in converted:
             ctx.rewrite(op, node)
+        for node, reason in rewriter.notes:  # parts kept dense (exact), with why
+            ctx.fallback(node, reason)
+        for key, n in rewriter.counts.items():
+            ctx.count(key, n)
+
+
+_MAX_DENSE = 32  # region nodes without a jagged form that may be kept dense before giving up
+
+
+class _KeepDense(Exception):
+    """Converting region node ``name`` failed: rerun with it kept dense (its inputs then leave
+    the region, which is exact or shrinks further)."""
+
+    def __init__(self, node: fx.Node, reason: str) -> None:
+        super().__init__(reason)
+        self.node, self.name, self.reason = node, node.name, reason
 
 
 def _allow_data_dependent_sizes(gm: fx.GraphModule) -> None:
@@ -78,13 +124,25 @@ def _allow_data_dependent_sizes(gm: fx.GraphModule) -> None:
 
 
 class _Rewriter:
-    def __init__(self, gm: fx.GraphModule, info) -> None:
+    def __init__(self, gm: fx.GraphModule, info, dense: dict[str, str] | None = None,
+                 outputs_free: bool = False) -> None:
         self.gm, self.g, self.info = gm, gm.graph, info
+        self.dense = dense or {}  # node name -> why it has no jagged form
+        self.outputs_free = outputs_free
         self.layouts = info.layouts
         self.B, self.N = info.batch, info.seq_len
         self.jagged: dict[fx.Node, fx.Node] = {}
         self.packed: dict[fx.Node, fx.Node] = {}
+        self.notes: list[tuple[fx.Node, str]] = []
+        self.counts: dict[str, int] = {}
+        # softmax over the positions of masked logits (attention pooling): a segment softmax
+        self.seq_softmax = sequence_softmaxes(self.g, self.layouts, set(info.validity), set(info.padding))
         self.region = self._select()
+        self._proofs: dict[tuple[fx.Node, fx.Node], str | None] = {}
+        by_name = {n.name: n for n in self.g.nodes}
+        for name, reason in self.dense.items():
+            self.notes.append((by_name.get(name), f"{name} stays dense: {reason}"))
+        self._shrink()
 
     # ---------------------------------------------------------------- region
     def _heavy(self, n: fx.Node) -> bool:
@@ -96,7 +154,7 @@ class _Rewriter:
         members: set[fx.Node] = set()
         for n in self.g.nodes:
             op, layout = canonical(n), self.layouts.get(n)
-            if op not in _HANDLED:
+            if op not in _HANDLED or n.name in self.dense:
                 continue
             fed = any(a in members for a in n.all_input_nodes)
             if isinstance(layout, TupleOf) and fed:
@@ -114,18 +172,74 @@ class _Rewriter:
         self.members = members
         return region
 
+    def _valid_mask(self) -> fx.Node:
+        return self.info.validity[0] if self.info.validity else self.info.padding[0]
+
+    def _proof(self, n: fx.Node, u: fx.Node) -> str | None:
+        """Why a selection ``u`` of region value ``n`` may read padded positions (None: proved it
+        does not, for non-empty rows)."""
+        if (n, u) not in self._proofs:
+            if self.info.validity:
+                self._proofs[(n, u)] = prove_reads_valid(u, n, self.layouts[n], self.info.validity[0],
+                                                         self.layouts, self.B, self.N)
+            else:
+                self._proofs[(n, u)] = "the validity is only given as a padding mask"
+        return self._proofs[(n, u)]
+
+    def _shrink(self) -> None:
+        """Keep dense (exactly as written) the region values whose outside users need their
+        padded values, and what they are computed from back to a value that is 0 at padding."""
+        validity, padding = set(self.info.validity), set(self.info.padding)
+
+        def make_check(members: set[fx.Node]):
+            zero = ZeroAtPadding(members, self.layouts, validity, padding, self.seq_softmax)
+
+            def ok(n: fx.Node, u: fx.Node) -> bool:
+                if not isinstance(self.layouts.get(n), Token):
+                    return False  # a split consumed outside: no dense form of the tuple
+                if zero(n) or (u.op == "output" and self.outputs_free):
+                    return True
+                return selection_kind(u, n, members) is not None and self._proof(n, u) is None
+            return ok
+
+        kept, dropped = shrink(self.region, make_check, self.layouts)
+        if not dropped:
+            return
+        causes: dict[tuple[fx.Node, fx.Node], int] = {}
+        for cause in dropped.values():
+            causes[cause] = causes.get(cause, 0) + 1
+        # worth a pack only if real work stays jagged (not just a mask product before a sum)
+        heavy_left = any(canonical(n) in _WORK for n in kept)
+        for (n, u), count in causes.items():
+            who = "the graph output" if u.op == "output" else f"{u.name} ({node_site(u)})"
+            why = self._proofs.get((n, u)) if selection_kind(u, n, set(self.region)) else None
+            reason = (f"{who} reads {n.name} at padded positions, and {n.name} is not provably zero at padding"
+                      + (f" ({why})" if why else "") + ": ")
+            if not heavy_left:
+                raise Unsupported(reason + "the row-wise block stays dense (multiply it by the validity mask "
+                                           "before it leaves the block)", u if u.op != "output" else n)
+            self.notes.append((u if u.op != "output" else n,
+                               reason + f"{count} row-wise op(s) from the last masked value stay dense"))
+        self.counts["dense_tail_ops"] = len(dropped)
+        self.region = kept
+        self.members = set(kept)
+
     # ---------------------------------------------------------------- emit
     def run(self) -> list[tuple[str, fx.Node]]:
         if not any(self._heavy(n) for n in self.region if isinstance(self.layouts.get(n), Token)):
             return []
         g = self.g
         first = self.region[0]
-        valid = self.info.validity[0] if self.info.validity else None
-        anchor = max((v for v in [valid, *self.info.padding] if v is not None),
-                     key=lambda v: list(g.nodes).index(v))
-        with g.inserting_after(anchor):
-            if valid is None:
-                valid = g.call_function(torch.logical_not, (self.info.padding[0],))
+        mask = self._valid_mask()
+        moved = hoist_validity(g, mask, first, self.members)  # dataflow, not program order
+        if moved:
+            self.counts["validity_hoisted_ops"] = moved
+        valid = mask
+        if not self.info.validity:
+            with g.inserting_after(mask):
+                valid = g.call_function(torch.logical_not, (mask,))
+        self.valid = valid
+        with g.inserting_after(valid):
             self.index = g.call_function(torch.ops.grcompile.pack_index.default, (valid,))
         with g.inserting_after(self.index):
             self.positions = g.call_function(operator.mod, (self.index, self.N))
@@ -135,10 +249,14 @@ class _Rewriter:
             self.offsets = g.call_function(valid_to_offsets, (valid,))
         if list(g.nodes).index(self.offsets) > list(g.nodes).index(first):
             raise Unsupported("the validity mask is computed after the first row-wise op", first)
+        self.exits = ExitEmitter(g, valid, self.index, self.rows, self.B, self.N, self.offsets)
         done = []
         for n in self.region:
             with g.inserting_before(n):
-                self.jagged[n] = self._convert(n)
+                try:
+                    self.jagged[n] = self._convert(n)
+                except Unsupported as e:
+                    raise _KeepDense(n, str(e)) from e
             if n.meta.get("stack_trace") and not self.jagged[n].meta.get("stack_trace"):
                 self.jagged[n].meta["stack_trace"] = n.meta["stack_trace"]
             done.append((canonical(n) if canonical(n) != "fused_attention" else "jagged_attention", n))
@@ -148,38 +266,55 @@ class _Rewriter:
 
     def _exits(self) -> None:
         g = self.g
+        zero = ZeroAtPadding(self.members, self.layouts, set(self.info.validity), set(self.info.padding),
+                             self.seq_softmax)
         for n in self.region:
             outside = [u for u in n.users if u not in self.members]
             if not outside:
                 continue
             if isinstance(self.layouts.get(n), TupleOf):
                 raise Unsupported(f"split {n.name} is consumed outside the jagged region", outside[0])
-            if not self._zero_at_padding(n):
-                raise Unsupported(f"{n.name} is used by {outside[0].name} outside the jagged region and is not "
-                                  f"provably zero at padding (multiply it by the validity mask)", outside[0])
             layout = self.layouts[n]
-            shape = shape_of(n)
-            with g.inserting_after(self.jagged[n]):
-                dense = g.call_function(jagged_to_dense, (self.jagged[n], self.index, self.B, self.N))
-                order = _token_axes(layout) + _features(layout)
-                if order != list(range(len(order))):
-                    inverse = [order.index(a) for a in range(len(order))]
-                    dense = g.call_method("permute", (dense, *inverse))
+            dense = None
             for u in outside:
+                # jagged exits first: a segment sum or a row selection reads the values directly
+                kind = segment_kind(u, n, layout) if zero(n) else None
+                if kind is not None:
+                    with g.inserting_before(u):
+                        new = self.exits.segment(u, self.jagged[n], layout, kind)
+                    self._count(f"exit_segment_{kind}")
+                elif selection_kind(u, n, self.members) is not None and (zero(n) or self._proof(n, u) is None):
+                    with g.inserting_before(u):
+                        new = self.exits.select(u, n, self.jagged[n], layout)
+                    self._count("exit_row_select")
+                else:
+                    new = None
+                if new is not None:
+                    if u.meta.get("stack_trace"):
+                        new.meta["stack_trace"] = u.meta["stack_trace"]
+                    u.replace_all_uses_with(new)
+                    continue
+                if not zero(n) and not (u.op == "output" and self.outputs_free):
+                    raise Unsupported(f"{n.name} is used by {u.name} outside the jagged region and is not "
+                                      f"provably zero at padding (multiply it by the validity mask)", u)
+                if dense is None:
+                    dense = self._unpack(n, layout)
+                    self._count("exit_dense")
                 u.replace_input_with(n, dense)
 
-    def _zero_at_padding(self, n: fx.Node) -> bool:
-        if canonical(n) == "fused_attention":
-            return True
-        if canonical(n) != "mul":
-            return False
-        validity, padding = set(self.info.validity), set(self.info.padding)
-        for other in n.args[:2]:
-            if isinstance(other, fx.Node) and other not in self.members:
-                value = side_value(other, torch.tensor(False), validity, padding)
-                if not isinstance(value, _Any) and bool((value == 0).all()):
-                    return True
-        return False
+    def _count(self, key: str) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def _unpack(self, n: fx.Node, layout: Token) -> fx.Node:
+        g = self.g
+        with g.inserting_after(self.jagged[n]):
+            dense = g.call_function(jagged_to_dense, (self.jagged[n], self.index, self.B, self.N))
+        order = _token_axes(layout) + _features(layout)
+        if order != list(range(len(order))):
+            inverse = [order.index(a) for a in range(len(order))]
+            with g.inserting_after(dense):
+                dense = g.call_method("permute", (dense, *inverse))
+        return dense
 
     # ---------------------------------------------------------------- operands
     def _pack(self, x: fx.Node) -> fx.Node:
@@ -277,6 +412,14 @@ class _Rewriter:
             return call((self._pack(x), *n.args[1:]), dict(n.kwargs))
         if op == "matmul":
             return call((J(x), n.args[1]), {})
+        if n in self.seq_softmax:
+            self._count("segment_softmax")
+            values = J(x)
+            dtype = n.kwargs.get("dtype", arg(n, 2, "dtype"))
+            if dtype is not None:
+                values = g.call_method("to", (values, dtype))
+            log = getattr(n.target, "__name__", n.target) == "log_softmax"
+            return g.call_function(segment_softmax, (values, self.rows, self.B, log))
         if op in ("normalize", "softmax"):
             index, name, default = (2, "dim", 1) if op == "normalize" else (1, "dim", None)
             d = self._dim(n, arg(n, index, name, default))
@@ -322,16 +465,20 @@ class _Rewriter:
         if op == "getitem":
             if isinstance(self.layouts.get(x), TupleOf):
                 return g.call_function(operator.getitem, (J(x), n.args[1]))
-            raise Unsupported(f"indexing {n.name} inside the jagged region", n)
+            return g.call_function(operator.getitem, (J(x), feature_index(n.args[1], self.layouts[x], n)))
         if op == "cat":
             tensors = arg(n, 0, "tensors")
             d = self._dim(n, arg(n, 1, "dim", 0), self.layouts[tensors[0]])
             return g.call_function(torch.cat, ([J(t) for t in tensors],), {"dim": d})
-        if op == "reduce":
+        if op == "reduce":  # sum / mean / amax / amin / var / std over feature axes; other arguments kept
             dims = arg(n, 1, "dim")
             dims = [self._dim(n, d) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
-            keep = arg(n, 2, "keepdim", False)
-            return call((J(x), dims), {"keepdim": keep} if keep else {})
+            args, kwargs = list(n.args), dict(n.kwargs)
+            if len(args) > 1:
+                args[1] = dims
+            else:
+                kwargs["dim"] = dims
+            return call((J(x), *args[1:]), kwargs)
         if op == "fused_attention":
             return self._attention(n)
         raise Unsupported(f"no jagged form for {op}", n)

@@ -78,7 +78,8 @@ _register("normalize", F.normalize)
 _register("dropout", F.dropout, torch.dropout)
 _register("embedding", F.embedding, torch.embedding)
 _register("softmax", F.softmax, torch.softmax, F.log_softmax, torch.log_softmax, methods=("softmax", "log_softmax"))
-_register("reduce", torch.sum, torch.mean, torch.amax, torch.amin, methods=("sum", "mean", "amax", "amin"))
+_register("reduce", torch.sum, torch.mean, torch.amax, torch.amin, torch.var, torch.std,
+          methods=("sum", "mean", "amax", "amin", "var", "std"))  # var/std: keyword unbiased/correction
 _register("where", torch.where, methods=("where",))
 _register("masked_fill", torch.masked_fill, methods=("masked_fill",))
 _register("tril", torch.tril, methods=("tril",))
