@@ -59,6 +59,7 @@ for _name in _UNARY:
     targets = [getattr(mod, _name) for mod in (torch, F) if hasattr(mod, _name)]
     _register("unary", *targets, methods=(_name,))
 _register("unary", torch.clamp_min, torch.clamp_max, torch.clip, methods=("clamp_min", "clamp_max", "clip"))
+_register("unary", operator.pow, methods=("__pow__",))  # x ** 2 (pointwise in both operands)
 # shape / layout
 _register("unsqueeze", torch.unsqueeze, methods=("unsqueeze",))
 _register("squeeze", torch.squeeze, methods=("squeeze",))
