@@ -5,20 +5,23 @@
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .capture import LOWERINGS, GrcompileBackend, GrcompileState, GraphPass, PassContext, Report
 from .capture.dump import resolve_dump_dir
+from .capture.failures import CallScope, UnoptimizedWarning, input_signature
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "optimize", "report", "Report", "GraphPass", "PassContext", "OPTIONS"]
+__all__ = ["__version__", "optimize", "report", "Report", "GraphPass", "PassContext", "OPTIONS",
+           "UnoptimizedWarning"]
 
 # option -> default; dump_dir None means "$GRCOMPILE_DUMP_DIR if set".
 OPTIONS: dict[str, Any] = {"dump_dir": None, "passes": None, "lowering": "inductor",
-                           "dynamic": False, "fullgraph": False, "sparse": None}
+                           "dynamic": False, "fullgraph": False, "sparse": None, "strict": False}
 
 _STATE_ATTR = "_grcompile_state"
 
@@ -45,7 +48,10 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
     ``dynamic`` and ``fullgraph`` (passed to torch.compile), ``sparse`` (``None``: embeddings stay as
     written; a dict of ``grcompile.runtime.shard_embeddings`` keywords, e.g.
     ``{"backend": "torchrec", "sharding": "row"}``: the padded ``nn.Embedding`` lookups move to the
-    sharded sparse runtime first — the model is rewritten in place — and only the dense part is compiled).
+    sharded sparse runtime first — the model is rewritten in place — and only the dense part is compiled),
+    ``strict`` (default ``False``: code that Dynamo cannot trace, or a graph the lowering cannot
+    compile, runs unoptimized — the user's code eagerly, or the captured graph without the passes —
+    with an ``UnoptimizedWarning`` and a ``report().unoptimized`` entry; ``True``: raise instead).
     """
     opts = _merge_options(options, kwargs)
     if opts["lowering"] not in LOWERINGS:
@@ -69,16 +75,40 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
         runtime = shard_embeddings(model, **opts["sparse"])
         sparse_plan = f"{opts['sparse'].get('backend', 'local')} sparse runtime (dedup {runtime.dedup}): " \
                       + runtime.plan.describe().replace("\n", "; ")
-    state = GrcompileState(passes=passes, lowering=opts["lowering"], dump_dir=dump_dir, sparse_plan=sparse_plan)
+    state = GrcompileState(passes=passes, lowering=opts["lowering"], dump_dir=dump_dir, sparse_plan=sparse_plan,
+                           strict=bool(opts["strict"]))
     if opts["sparse"] is not None:
         state.counters["sparse.features"] = len(runtime.plan.features)
         state.counters["sparse.tables"] = len(runtime.plan.tables)
     compiled = torch.compile(model, backend=GrcompileBackend(state), dynamic=opts["dynamic"],
                              fullgraph=opts["fullgraph"])
+    # The failure policy applies to calls of this model only (capture/failures.py).
+    where = _where(model)
+    if isinstance(compiled, torch.nn.Module):
+        compiled.forward = _in_scope(compiled.forward, state, where)
+    else:
+        compiled = _in_scope(compiled, state, where)
     # object.__setattr__: OptimizedModule.__setattr__ would forward it to the wrapped model,
     # and report(original_model) must not pretend the original was optimized.
     object.__setattr__(compiled, _STATE_ATTR, state)
     return compiled
+
+
+def _where(model: Any) -> str:
+    """``SASRec.forward (sasrec.py:40)``: the user's function, for report entries."""
+    fn = model.forward if isinstance(model, torch.nn.Module) else model
+    code = getattr(fn, "__code__", None)
+    name = getattr(fn, "__qualname__", type(model).__name__)
+    return f"{name} ({Path(code.co_filename).name}:{code.co_firstlineno})" if code is not None else name
+
+
+def _in_scope(fn: Callable[..., Any], state: GrcompileState, where: str) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with CallScope(state, input_signature(args, kwargs), where):
+            return fn(*args, **kwargs)
+
+    return call
 
 
 def report(optimized: Any) -> Report:

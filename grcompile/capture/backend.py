@@ -5,10 +5,14 @@ functions, parameters as ``l_self_modules_..._parameters_weight_`` placeholders)
 dump it, run the pipeline in place, dump after each pass, then lower the *transformed* module:
 ``inductor`` via ``compile_fx`` (which also builds the backward through AOTAutograd, so training
 sees the rewrites), ``eager`` by running the transformed ``gm.forward`` under ordinary autograd.
+If inductor raises on the transformed graph, the graph as captured is lowered instead, and if
+that raises too it runs eagerly; a graph with a zero-size input runs as captured (failures.py
+has the policy; each case is a ``report().unoptimized`` entry). ``strict`` raises instead.
 """
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +22,11 @@ import torch
 import torch.fx as fx
 
 from .dump import describe_inputs, emit_artifact, write_dump, write_score_mods
-from .pass_manager import GraphPass, PassContext, PassResult, pass_name, run_pipeline
+from ..lowering.checks import pin_checks
+from .failures import describe_error
+from .pass_manager import GraphPass, PassContext, PassResult, copy_graph, node_site, pass_name, run_pipeline
 from .report import Report
+from .shapes import ShapePolicy
 
 __all__ = ["GrcompileBackend", "GrcompileState", "LOWERINGS"]
 
@@ -46,6 +53,13 @@ class GrcompileState:
     sparse_plan: str = ""  # what the sparse runtime took over (optimize(sparse=...))
     # Dynamo counts graph breaks process-wide; we report the growth since optimize().
     graph_breaks_at_start: Counter[str] = field(default_factory=_graph_break_counts)
+    strict: bool = False  # raise instead of running unoptimized (failures.py)
+    unoptimized: list[dict[str, Any]] = field(default_factory=list)  # {kind, graph, frame, error, site, ran}
+    recompile_limit: dict[str, Any] | None = None  # the unoptimized entry once Dynamo's limit is hit
+    compiled_signatures: set[tuple] = field(default_factory=set)     # input shapes seen before it
+    unoptimized_signatures: set[tuple] = field(default_factory=set)  # new input shapes after it
+    shapes: ShapePolicy = field(default_factory=ShapePolicy)  # static first, then symbolic B / N (shapes.py)
+    recompiles: list[dict[str, Any]] = field(default_factory=list)  # {graph, reason} per compile after the first
 
     def report(self) -> Report:
         grown = _graph_break_counts()
@@ -54,7 +68,8 @@ class GrcompileState:
         return Report(rewrites=list(self.rewrites), fallbacks=list(self.fallbacks),
                       compiles=self.compiles, graph_breaks=sum(reasons.values()),
                       counters=dict(self.counters), passes=[pass_name(p) for p in self.passes],
-                      lowering=self.lowering, graph_break_reasons=reasons, sparse_plan=self.sparse_plan)
+                      lowering=self.lowering, graph_break_reasons=reasons, sparse_plan=self.sparse_plan,
+                      unoptimized=[dict(u) for u in self.unoptimized], recompiles=list(self.recompiles))
 
 
 class GrcompileBackend:
@@ -75,6 +90,22 @@ class GrcompileBackend:
             f"lowering: {state.lowering}",
         ])
 
+        region = _region_site(gm)  # where the captured region starts
+        empty = _zero_size_input(gm, example_inputs)
+        if empty is not None:
+            # Nothing to optimize in an empty batch, and the passes reason about rows that exist:
+            # run the graph as captured (exactly the user's ops), and say so.
+            state.unoptimized.append({"kind": "zero_size", "graph": k, "frame": region, "site": region,
+                                      "error": f"input {empty} has a zero-size dimension",
+                                      "ran": "the captured graph, eagerly (passes and lowering skipped)"})
+            log.info("grcompile graph %d: input %s has a zero-size dimension; runs as captured", k, empty)
+            return gm.forward
+        captured = fx.GraphModule(gm, copy_graph(gm.graph))  # for the lowering fallbacks below
+        if (why := state.shapes.recompile_reason(k)) is not None:
+            state.recompiles.append(why)
+        state.shapes.learn(gm)  # which inputs carry rows / positions, for the next shape change
+        guards = _shape_guards(example_inputs)
+
         ctx = PassContext(graph_index=k)
 
         def on_pass(g: fx.GraphModule, r: PassResult) -> None:
@@ -93,16 +124,89 @@ class GrcompileBackend:
         state.counters.update(ctx.counters)
         for f in ctx.fallbacks:
             log.warning("grcompile graph %d: pass %s fell back at %s: %s", k, f["pass"], f["site"], f["reason"])
+        if guards is not None and len(guards) > (n_guards := guards.n):
+            # a pass compared symbolic sizes with ==/int()/bool(): the graph is specialised to them
+            added = [str(g.expr) for g in guards.env.guards[n_guards:]]
+            state.counters["passes.size_guards"] += len(added)
+            log.warning("grcompile graph %d: the passes guarded on symbolic sizes (%s): this graph is specialised "
+                        "to them and other sizes recompile", k, "; ".join(added))
 
         if state.dump_dir is not None:
             write_score_mods(state.dump_dir, k, gm)
         if state.lowering == "eager":
             return gm.forward
+        return self._lower(k, region, gm, captured, example_inputs)
+
+    def _lower(self, k: int, region: str, gm: fx.GraphModule, captured: fx.GraphModule,
+               example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        """Inductor on the transformed graph; if that raises (and not ``strict``): inductor on the
+        graph as captured, then the captured graph eagerly. Each step is reported."""
         from torch._inductor.compile_fx import compile_fx  # heavy import: only when lowering
 
-        return compile_fx(gm, list(example_inputs))
+        def lower(gm: fx.GraphModule) -> Callable[..., Any]:
+            # the backward compiles now, not at the first backward(), so its failures land here too
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                from .lowering_config import INDUCTOR_CONFIG  # scoped to this compile (and its backward)
+                return compile_fx(gm, list(example_inputs), config_patches=INDUCTOR_CONFIG)
+
+        pin_checks(gm)  # index checks run before any kernel reads the index
+        try:
+            return lower(gm)
+        except Exception as exc:  # noqa: BLE001 - the policy: fall back, report, never crash
+            if self.state.strict:
+                raise
+            error = describe_error(exc)
+            log.debug("grcompile graph %d: lowering the transformed graph failed", k, exc_info=True)
+        try:
+            compiled = lower(captured)
+            ran = "the captured graph without grcompile's passes, lowered by inductor"
+        except Exception as exc:  # noqa: BLE001
+            log.debug("grcompile graph %d: lowering the captured graph failed", k, exc_info=True)
+            compiled = captured.forward
+            ran = f"the captured graph, eagerly (inductor failed on it too: {describe_error(exc)})"
+        self.state.unoptimized.append({"kind": "lowering_error", "graph": k, "frame": region,
+                                       "error": f"lowering the transformed graph raised {error}",
+                                       "site": region, "ran": ran})
+        return compiled
 
     def _emit(self, k: int, step: int, label: str, gm: fx.GraphModule, lines: list[str]) -> None:
         emit_artifact(k, step, label, gm)
         if self.state.dump_dir is not None:
             write_dump(self.state.dump_dir, k, step, label, gm, lines)
+
+
+class _Guards:
+    def __init__(self, env: Any) -> None:
+        self.env, self.n = env, len(env.guards)
+
+    def __len__(self) -> int:
+        return len(self.env.guards)
+
+
+def _shape_guards(example_inputs: Sequence[Any]) -> _Guards | None:
+    """The ShapeEnv of a symbolic graph and its guard count now (None for a static graph)."""
+    for value in example_inputs:
+        env = getattr(getattr(value, "fake_mode", None), "shape_env", None)
+        if env is None and isinstance(value, torch.SymInt):
+            env = value.node.shape_env
+        if env is not None:
+            return _Guards(env)
+    return None
+
+
+def _region_site(gm: fx.GraphModule) -> str:
+    """Where the captured region starts in the user's code (its first op with a source line)."""
+    first = next((n for n in gm.graph.nodes if n.op != "placeholder" and n.meta.get("stack_trace")), None)
+    return node_site(first) if first is not None else "<graph>"
+
+
+def _zero_size_input(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str | None:
+    """``'ids' (int64[0, 16])`` for the first input with a zero-size dimension, else None."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        if isinstance(value, torch.Tensor) and any(type(s) is int and s == 0 for s in value.shape):
+            source = getattr(node.meta.get("grapharg"), "source", None)
+            name = source.name if source is not None else node.name
+            name = re.sub(r"^L\['([^']+)'\]", r"\1", name)  # L['ids'] -> ids, as the user spelled it
+            return f"'{name}' ({describe_inputs([value])})"
+    return None

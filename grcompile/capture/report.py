@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .failures import unoptimized_message
+
 __all__ = ["Report"]
 
 
@@ -20,6 +22,9 @@ class Report:
     lowering: str = "inductor"
     graph_break_reasons: dict[str, int] = field(default_factory=dict)
     sparse_plan: str = ""  # embeddings moved to the sparse runtime, if any
+    # what ran without grcompile and why: {kind, graph, frame, error, site, ran} (+ calls, shapes
+    # for kind "recompile_limit"); kinds: trace_error, lowering_error, recompile_limit, zero_size
+    unoptimized: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -32,6 +37,7 @@ class Report:
             f"grcompile report: {self.compiles} graph(s) compiled, {len(self.passes)} pass(es) in "
             f"pipeline, {len(self.rewrites)} rewrite(s), {len(self.fallbacks)} fallback(s), "
             f"{self.graph_breaks} graph break(s)"
+            + (f", {len(self.unoptimized)} unoptimized" if self.unoptimized else "")
         ]
         if not self.passes:
             lines.append("no passes in the pipeline: the graph is lowered unchanged")
@@ -43,6 +49,8 @@ class Report:
             lines.append(f"  rewrite   graph {r.get('graph', '?')}  {r['pass']}: {r['op']}  at {r['site']}")
         for f in self.fallbacks:
             lines.append(f"  fallback  graph {f.get('graph', '?')}  {f['pass']}  at {f['site']}: {f['reason']}")
+        for u in self.unoptimized:
+            lines.append("  unoptimized  " + unoptimized_message(u).removeprefix("grcompile: "))
         if self.sparse_plan:
             lines.append(f"sparse: {self.sparse_plan}")
         if self.counters:
