@@ -2,6 +2,8 @@
 
 ``default_pipeline()`` is the jagged pipeline. Passes, one file each, in order:
 
+* ``guard_indices`` — a ``check_index`` before every table lookup whose index range is not proved
+  (an out-of-range id raises eager's IndexError, naming the input, the table and the line);
 * ``detect_padding`` — validity mask and Token / Pair layouts (analysis, rewrites nothing);
 * ``fuse_attention`` — dense masked attention → padding-free ``score_mod_attention`` with the
   user's bias math captured as a score_mod and the mask proved;
@@ -32,11 +34,12 @@ def jagged_pipeline() -> list[GraphPass]:
 
 
 def attention_pipeline() -> list[GraphPass]:
-    """Padding detection + fused padding-free attention (exact; opt in)."""
+    """Index guards, padding detection + fused padding-free attention (exact; opt in)."""
     from .detect_padding import DetectPadding
     from .fuse_attention import FuseAttention
+    from .guard_indices import GuardIndices
 
-    return [DetectPadding(), FuseAttention()]
+    return [GuardIndices(), DetectPadding(), FuseAttention()]
 
 
 PIPELINES = {"default": default_pipeline, "attention": attention_pipeline, "jagged": jagged_pipeline}

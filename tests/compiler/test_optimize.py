@@ -300,7 +300,8 @@ def test_modes() -> None:
     assert apply_compile_mode(enc, "eager") is enc and describe_mode(enc) == "eager: not compiled"
     assert describe_mode(apply_compile_mode(enc, "inductor")).startswith("inductor:")
     assert describe_mode(apply_compile_mode(enc, "grcompile")) == (
-        "grcompile: 4 pass(es) in pipeline (detect_padding, fuse_attention, jagged_rewrite, fuse_norm_gate), "
+        "grcompile: 5 pass(es) in pipeline (guard_indices, detect_padding, fuse_attention, jagged_rewrite, "
+        "fuse_norm_gate), "
         "lowered by inductor")
     assert describe_mode(apply_compile_mode(enc, "grcompile", passes=[])) == (
         "grcompile: 0 passes in pipeline (empty: graph lowered unchanged by inductor)")
@@ -315,7 +316,7 @@ def test_inductor_lowering_receives_transformed_graph(monkeypatch) -> None:
 
     seen: list[fx.GraphModule] = []
 
-    def fake_compile_fx(gm, example_inputs):
+    def fake_compile_fx(gm, example_inputs, **options):
         seen.append(gm)
         return gm.forward
 

@@ -16,8 +16,11 @@ import grcompile
 from models import build_encoder
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "hstu-1block"
-STAGES = ["00-captured", "01-detect_padding", "02-fuse_attention", "03-jagged_rewrite", "04-fuse_norm_gate"]
+STAGES = ["00-captured", "01-guard_indices", "02-detect_padding", "03-fuse_attention", "04-jagged_rewrite",
+          "05-fuse_norm_gate"]
 MATCH_COUNTS = {  # what each pass fired on, for one block
+    "guard_indices.check_index": 1,  # ids into item_embedding
+    "guard_indices.proved": 3,   # arange(N) positions, the relative-position and time-bucket gathers
     "detect_padding.validity_sources": 1,
     "fuse_attention.score_mod_attention": 1,
     "jagged_rewrite.embedding": 1,

@@ -1,6 +1,6 @@
 # grcompile graph 0: captured
 # captured by Dynamo; 88 nodes; inputs: int64[4, 8], float32[21, 8], float32[8, 8], float32[32, 8], float32[15], int64[4, 8], float32[129], float32[8, 8], float32[8]
-# pipeline (4 pass(es)): detect_padding, fuse_attention, jagged_rewrite, fuse_norm_gate; lowering: eager
+# pipeline (5 pass(es)): guard_indices, detect_padding, fuse_attention, jagged_rewrite, fuse_norm_gate; lowering: eager
 import torch
 
 class GraphModule(torch.nn.Module):

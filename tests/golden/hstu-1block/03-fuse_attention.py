@@ -1,7 +1,8 @@
-# grcompile graph 0: detect_padding
-# after pass 1/4 'detect_padding'
-# 0 rewrite(s); nodes 88 -> 88
-# counters: detect_padding.pair_tensors=26, detect_padding.token_tensors=45, detect_padding.validity_sources=1
+# grcompile graph 0: fuse_attention
+# after pass 3/5 'fuse_attention'
+# 1 rewrite(s); nodes 89 -> 76
+# counters: fuse_attention.score_mod_attention=1
+#   score_mod_attention at hstu.py:37 in forward normalize=none causal=True dropout_p=0.0 bias_tables=2 side_inputs=4 score_mod=captured-0071706ec5bf
 import torch
 
 class GraphModule(torch.nn.Module):
@@ -23,6 +24,7 @@ class GraphModule(torch.nn.Module):
         positions: "i64[8]" = torch.arange(8, device = device(type='cpu'))
 
         # File: common.py:46 in forward, code: x = self.item_embedding(ids)
+        check_index_default: "i64[4, 8]" = torch.ops.grcompile.check_index.default(l_ids_, 0, 21, "of item_embedding (21 rows) in input 'ids', looked up at common.py:46 in forward");  check_index_default = None
         x: "f32[4, 8, 8]" = torch.nn.functional.embedding(l_ids_, l_self_modules_item_embedding_parameters_weight_, 0, None, 2.0, False, False);  l_ids_ = l_self_modules_item_embedding_parameters_weight_ = None
 
         # File: common.py:49 in forward, code: x = x * math.sqrt(self.config.embedding_dim)
@@ -62,22 +64,6 @@ class GraphModule(torch.nn.Module):
         view_2: "f32[4, 8, 2, 4]" = v.view(4, 8, 2, 4);  v = None
         v_1: "f32[4, 2, 8, 4]" = view_2.transpose(1, 2);  view_2 = None
 
-        # File: common.py:81 in forward, code: positions = torch.arange(N, device=device)
-        positions_1: "i64[8]" = torch.arange(8, device = device(type='cpu'))
-
-        # File: common.py:82 in forward, code: relative = positions.unsqueeze(0) - positions.unsqueeze(1)  # [i, j] -> j - i
-        unsqueeze_2: "i64[1, 8]" = positions_1.unsqueeze(0)
-        unsqueeze_3: "i64[8, 1]" = positions_1.unsqueeze(1);  positions_1 = None
-        relative: "i64[8, 8]" = unsqueeze_2 - unsqueeze_3;  unsqueeze_2 = unsqueeze_3 = None
-
-        # File: common.py:83 in forward, code: return self.weight[relative + self.max_len - 1]  # [N, N]
-        add_1: "i64[8, 8]" = relative + 8;  relative = None
-        sub_1: "i64[8, 8]" = add_1 - 1;  add_1 = None
-        getitem_4: "f32[8, 8]" = l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_[sub_1];  l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_ = sub_1 = None
-
-        # File: hstu.py:33 in forward, code: rab = self.position_bias(N, x.device).unsqueeze(0) + self.time_bias(timestamps, valid)
-        unsqueeze_4: "f32[1, 8, 8]" = getitem_4.unsqueeze(0);  getitem_4 = None
-
         # File: common.py:100 in forward, code: next_ts = torch.cat([timestamps[:, 1:], timestamps[:, -1:]], dim=1)
         getitem_5: "i64[4, 7]" = l_timestamps_[(slice(None, None, None), slice(1, None, None))]
         getitem_6: "i64[4, 1]" = l_timestamps_[(slice(None, None, None), slice(-1, None, None))]
@@ -95,51 +81,40 @@ class GraphModule(torch.nn.Module):
         # File: common.py:103 in forward, code: delta = (query_ts.unsqueeze(2) - timestamps.unsqueeze(1)).abs().clamp(min=1)
         unsqueeze_5: "i64[4, 8, 1]" = query_ts.unsqueeze(2);  query_ts = None
         unsqueeze_6: "i64[4, 1, 8]" = l_timestamps_.unsqueeze(1);  l_timestamps_ = None
-        sub_2: "i64[4, 8, 8]" = unsqueeze_5 - unsqueeze_6;  unsqueeze_5 = unsqueeze_6 = None
-        abs_1: "i64[4, 8, 8]" = sub_2.abs();  sub_2 = None
-        delta: "i64[4, 8, 8]" = abs_1.clamp(min = 1);  abs_1 = None
-
-        # File: common.py:104 in forward, code: buckets = (torch.log(delta.float()) / 0.301).long().clamp(0, self.num_buckets)
-        float_1: "f32[4, 8, 8]" = delta.float();  delta = None
-        log: "f32[4, 8, 8]" = torch.log(float_1);  float_1 = None
-        truediv: "f32[4, 8, 8]" = log / 0.301;  log = None
-        long: "i64[4, 8, 8]" = truediv.long();  truediv = None
-        buckets: "i64[4, 8, 8]" = long.clamp(0, 128);  long = None
-
-        # File: common.py:105 in forward, code: return self.weight[buckets]  # [B, N, N]
-        getitem_9: "f32[4, 8, 8]" = l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_[buckets];  l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_ = buckets = None
-
-        # File: hstu.py:33 in forward, code: rab = self.position_bias(N, x.device).unsqueeze(0) + self.time_bias(timestamps, valid)
-        rab: "f32[4, 8, 8]" = unsqueeze_4 + getitem_9;  unsqueeze_4 = getitem_9 = None
 
         # File: hstu.py:34 in forward, code: scores = torch.matmul(q, k.transpose(-2, -1)) + rab.unsqueeze(1)
         transpose_3: "f32[4, 2, 4, 8]" = k_1.transpose(-2, -1);  k_1 = None
-        matmul: "f32[4, 2, 8, 8]" = torch.matmul(q_1, transpose_3);  q_1 = transpose_3 = None
-        unsqueeze_7: "f32[4, 1, 8, 8]" = rab.unsqueeze(1);  rab = None
-        scores: "f32[4, 2, 8, 8]" = matmul + unsqueeze_7;  matmul = unsqueeze_7 = None
-
-        # File: hstu.py:35 in forward, code: attn = F.silu(scores) / N
-        silu_1: "f32[4, 2, 8, 8]" = torch.nn.functional.silu(scores);  scores = None
-        attn: "f32[4, 2, 8, 8]" = silu_1 / 8;  silu_1 = None
-
-        # File: common.py:68 in causal_padding_mask, code: causal = torch.tril(torch.ones(N, N, dtype=torch.bool, device=valid.device))
-        ones: "b8[8, 8]" = torch.ones(8, 8, dtype = torch.bool, device = device(type='cpu'))
-        causal: "b8[8, 8]" = torch.tril(ones);  ones = None
 
         # File: common.py:69 in causal_padding_mask, code: return causal.unsqueeze(0) & valid.unsqueeze(1) & valid.unsqueeze(2)
-        unsqueeze_8: "b8[1, 8, 8]" = causal.unsqueeze(0);  causal = None
         unsqueeze_9: "b8[4, 1, 8]" = valid.unsqueeze(1)
-        and_: "b8[4, 8, 8]" = unsqueeze_8 & unsqueeze_9;  unsqueeze_8 = unsqueeze_9 = None
         unsqueeze_10: "b8[4, 8, 1]" = valid.unsqueeze(2)
-        and__1: "b8[4, 8, 8]" = and_ & unsqueeze_10;  and_ = unsqueeze_10 = None
 
-        # File: hstu.py:36 in forward, code: attn = attn * causal_padding_mask(valid).unsqueeze(1)
-        unsqueeze_11: "b8[4, 1, 8, 8]" = and__1.unsqueeze(1);  and__1 = None
-        attn_1: "f32[4, 2, 8, 8]" = attn * unsqueeze_11;  attn = unsqueeze_11 = None
+        # No stacktrace found for following nodes
+        permute = q_1.permute(0, 2, 1, 3);  q_1 = None
+        permute_1 = transpose_3.permute(0, 3, 1, 2);  transpose_3 = None
+        permute_2 = v_1.permute(0, 2, 1, 3);  v_1 = None
+        permute_3 = unsqueeze_5.permute(0, 1, 2);  unsqueeze_5 = None
+        reshape_1 = permute_3.reshape(4, 8);  permute_3 = None
+        expand = reshape_1.expand(4, 8);  reshape_1 = None
+        permute_4 = unsqueeze_10.permute(0, 1, 2);  unsqueeze_10 = None
+        reshape_2 = permute_4.reshape(4, 8);  permute_4 = None
+        expand_1 = reshape_2.expand(4, 8);  reshape_2 = None
+        permute_5 = unsqueeze_6.permute(0, 2, 1);  unsqueeze_6 = None
+        reshape_3 = permute_5.reshape(4, 8);  permute_5 = None
+        expand_2 = reshape_3.expand(4, 8);  reshape_3 = None
+        permute_6 = unsqueeze_9.permute(0, 2, 1);  unsqueeze_9 = None
+        reshape_4 = permute_6.reshape(4, 8);  permute_6 = None
+        expand_3 = reshape_4.expand(4, 8);  reshape_4 = None
 
         # File: hstu.py:37 in forward, code: out = torch.matmul(attn, v).transpose(1, 2).reshape(B, N, H * dv)
-        matmul_1: "f32[4, 2, 8, 4]" = torch.matmul(attn_1, v_1);  attn_1 = v_1 = None
-        transpose_4: "f32[4, 8, 2, 4]" = matmul_1.transpose(1, 2);  matmul_1 = None
+        score_mod_attention_default = torch.ops.grcompile.score_mod_attention.default(permute, permute_1, permute_2, valid, [expand, expand_1], [expand_2, expand_3], [l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_, l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_], None, score_mod = 'captured-0071706ec5bf', normalize = 'none', causal = True, dropout_p = 0.0);  permute = permute_1 = permute_2 = expand = expand_1 = expand_2 = expand_3 = l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_ = l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_ = None
+
+        # No stacktrace found for following nodes
+        permute_7 = score_mod_attention_default.permute(0, 2, 1, 3);  score_mod_attention_default = None
+        reshape_5 = permute_7.reshape(4, 2, 8, 4);  permute_7 = None
+
+        # File: hstu.py:37 in forward, code: out = torch.matmul(attn, v).transpose(1, 2).reshape(B, N, H * dv)
+        transpose_4: "f32[4, 8, 2, 4]" = reshape_5.transpose(1, 2);  reshape_5 = None
         out: "f32[4, 8, 8]" = transpose_4.reshape(4, 8, 8);  transpose_4 = None
 
         # File: hstu.py:39 in forward, code: gated = u * F.layer_norm(out, (H * dv,), eps=1e-6)

@@ -1,13 +1,9 @@
-# grcompile graph 0: jagged_rewrite
-# after pass 3/4 'jagged_rewrite'
-# 6 rewrite(s); nodes 75 -> 97
-# counters: jagged_rewrite.embedding=1, jagged_rewrite.jagged_attention=1, jagged_rewrite.layer_norm=2, jagged_rewrite.linear=2
-#   embedding at common.py:46 in forward
-#   layer_norm at hstu.py:27 in forward
-#   linear at hstu.py:28 in forward
-#   jagged_attention at hstu.py:37 in forward
-#   layer_norm at hstu.py:39 in forward
-#   linear at hstu.py:40 in forward
+# grcompile graph 0: fuse_norm_gate
+# after pass 5/5 'fuse_norm_gate'
+# 2 rewrite(s); nodes 98 -> 97
+# counters: fuse_norm_gate.gated_norm=1, fuse_norm_gate.norm=1
+#   norm at hstu.py:27 in forward kind=layer eps=1e-06
+#   gated_norm at hstu.py:39 in forward kind=layer eps=1e-06
 import torch
 
 class GraphModule(torch.nn.Module):
@@ -26,68 +22,69 @@ class GraphModule(torch.nn.Module):
         valid: "b8[4, 8]" = l_ids_ != 0
 
         # No stacktrace found for following nodes
-        pack_index_default = torch.ops.grcompile.pack_index.default(valid)
-        mod = pack_index_default % 8
-        valid_to_offsets = grcompile_lowering_jagged_valid_to_offsets(valid)
-        reshape_6 = l_ids_.reshape(32);  l_ids_ = None
-        getitem_10 = reshape_6[pack_index_default];  reshape_6 = None
+        pack_index_default: "i64[u0]" = torch.ops.grcompile.pack_index.default(valid)
+        mod: "i64[u0]" = pack_index_default % 8
+        valid_to_offsets: "i64[5]" = grcompile_lowering_jagged_valid_to_offsets(valid)
+        reshape_6: "i64[32]" = l_ids_.reshape(32)
+        getitem_10: "i64[u0]" = reshape_6[pack_index_default];  reshape_6 = None
 
         # File: common.py:45 in forward, code: positions = torch.arange(N, device=ids.device)
         positions: "i64[8]" = torch.arange(8, device = device(type='cpu'))
 
         # File: common.py:46 in forward, code: x = self.item_embedding(ids)
-        embedding_2 = torch.nn.functional.embedding(getitem_10, l_self_modules_item_embedding_parameters_weight_, 0, None, 2.0, False, False);  getitem_10 = l_self_modules_item_embedding_parameters_weight_ = None
+        check_index_default: "i64[4, 8]" = torch.ops.grcompile.check_index.default(l_ids_, 0, 21, "of item_embedding (21 rows) in input 'ids', looked up at common.py:46 in forward");  l_ids_ = check_index_default = None
+        embedding_2: "f32[u0, 8]" = torch.nn.functional.embedding(getitem_10, l_self_modules_item_embedding_parameters_weight_, 0, None, 2.0, False, False);  getitem_10 = l_self_modules_item_embedding_parameters_weight_ = None
 
         # File: common.py:49 in forward, code: x = x * math.sqrt(self.config.embedding_dim)
-        mul_5 = embedding_2 * 2.8284271247461903;  embedding_2 = None
+        mul_5: "f32[u0, 8]" = embedding_2 * 2.8284271247461903;  embedding_2 = None
 
         # File: common.py:50 in forward, code: x = x + self.position_embedding(positions).unsqueeze(0)
         embedding_1: "f32[8, 8]" = torch.nn.functional.embedding(positions, l_self_modules_position_embedding_parameters_weight_, None, None, 2.0, False, False);  positions = l_self_modules_position_embedding_parameters_weight_ = None
         unsqueeze: "f32[1, 8, 8]" = embedding_1.unsqueeze(0);  embedding_1 = None
 
         # No stacktrace found for following nodes
-        permute_8 = unsqueeze.permute(1, 0, 2);  unsqueeze = None
-        reshape_7 = permute_8.reshape(8, 1, 8);  permute_8 = None
-        getitem_11 = reshape_7[mod];  reshape_7 = None
-        squeeze = getitem_11.squeeze(1);  getitem_11 = None
+        permute_8: "f32[8, 1, 8]" = unsqueeze.permute(1, 0, 2);  unsqueeze = None
+        reshape_7: "f32[8, 1, 8]" = permute_8.reshape(8, 1, 8);  permute_8 = None
+        getitem_11: "f32[u0, 1, 8]" = reshape_7[mod];  reshape_7 = None
+        squeeze: "f32[u0, 8]" = getitem_11.squeeze(1);  getitem_11 = None
 
         # File: common.py:50 in forward, code: x = x + self.position_embedding(positions).unsqueeze(0)
-        add_5 = mul_5 + squeeze;  mul_5 = squeeze = None
+        add_5: "f32[u0, 8]" = mul_5 + squeeze;  mul_5 = squeeze = None
 
         # File: common.py:51 in forward, code: x = self.input_dropout(x) * valid.unsqueeze(-1)
-        dropout_2 = torch.nn.functional.dropout(add_5, 0.0, True, False);  add_5 = None
+        dropout_2: "f32[u0, 8]" = torch.nn.functional.dropout(add_5, 0.0, True, False);  add_5 = None
         unsqueeze_1: "b8[4, 8, 1]" = valid.unsqueeze(-1)
 
         # No stacktrace found for following nodes
-        reshape_8 = unsqueeze_1.reshape(32, 1);  unsqueeze_1 = None
-        getitem_12 = reshape_8[pack_index_default];  reshape_8 = None
+        reshape_8: "b8[32, 1]" = unsqueeze_1.reshape(32, 1);  unsqueeze_1 = None
+        getitem_12: "b8[u0, 1]" = reshape_8[pack_index_default];  reshape_8 = None
 
         # File: common.py:51 in forward, code: x = self.input_dropout(x) * valid.unsqueeze(-1)
-        mul_6 = dropout_2 * getitem_12;  dropout_2 = getitem_12 = None
+        mul_6: "f32[u0, 8]" = dropout_2 * getitem_12;  dropout_2 = getitem_12 = None
 
         # File: hstu.py:27 in forward, code: normed = F.layer_norm(x, (D,), eps=1e-6)
-        layer_norm_2 = torch.nn.functional.layer_norm(mul_6, (8,), eps = 1e-06)
+        gated_norm_default: "f32[u0, 8]" = torch.ops.grcompile.gated_norm.default(mul_6, None, kind = 'layer', eps = 1e-06)
 
         # File: hstu.py:28 in forward, code: u, v, q, k = torch.split(F.silu(self.uvqk(normed)), [H * dv, H * dv, H * dqk, H * dqk], dim=-1)
-        linear_2 = torch._C._nn.linear(layer_norm_2, l_self_modules_blocks_modules_0_modules_uvqk_parameters_weight_, None);  layer_norm_2 = l_self_modules_blocks_modules_0_modules_uvqk_parameters_weight_ = None
-        silu_2 = torch.nn.functional.silu(linear_2);  linear_2 = None
+        linear_2: "f32[u0, 32]" = torch._C._nn.linear(gated_norm_default, l_self_modules_blocks_modules_0_modules_uvqk_parameters_weight_, None);  gated_norm_default = l_self_modules_blocks_modules_0_modules_uvqk_parameters_weight_ = None
+        silu_2: "f32[u0, 32]" = torch.nn.functional.silu(linear_2);  linear_2 = None
         split_1 = torch.functional.split(silu_2, [8, 8, 8, 8], dim = 1);  silu_2 = None
-        getitem_13 = split_1[0]
-        getitem_14 = split_1[1]
-        getitem_15 = split_1[2]
-        getitem_16 = split_1[3];  split_1 = None
+        getitem_13: "f32[u0, 8]" = split_1[0]
+        getitem_14: "f32[u0, 8]" = split_1[1]
+        getitem_15: "f32[u0, 8]" = split_1[2]
+        getitem_16: "f32[u0, 8]" = split_1[3];  split_1 = None
 
         # File: hstu.py:29 in forward, code: q = q.view(B, N, H, dqk).transpose(1, 2)
-        reshape_9 = getitem_15.reshape(-1, 2, 4);  getitem_15 = None
-        permute_9 = reshape_9.permute(0, 1, 2);  reshape_9 = None
+        reshape_9: "f32[u0, 2, 4]" = getitem_15.reshape(-1, 2, 4);  getitem_15 = None
+        permute_9: "f32[u0, 2, 4]" = reshape_9.permute(0, 1, 2);  reshape_9 = None
 
         # File: hstu.py:30 in forward, code: k = k.view(B, N, H, dqk).transpose(1, 2)
-        reshape_10 = getitem_16.reshape(-1, 2, 4);  getitem_16 = None
-        permute_10 = reshape_10.permute(0, 1, 2);  reshape_10 = None
+        reshape_10: "f32[u0, 2, 4]" = getitem_16.reshape(-1, 2, 4);  getitem_16 = None
+        permute_10: "f32[u0, 2, 4]" = reshape_10.permute(0, 1, 2);  reshape_10 = None
 
         # File: hstu.py:31 in forward, code: v = v.view(B, N, H, dv).transpose(1, 2)
-        reshape_11 = getitem_14.reshape(-1, 2, 4);  getitem_14 = None
-        permute_11 = reshape_11.permute(0, 1, 2);  reshape_11 = None
+        reshape_11: "f32[u0, 2, 4]" = getitem_14.reshape(-1, 2, 4);  getitem_14 = None
+        permute_11: "f32[u0, 2, 4]" = reshape_11.permute(0, 1, 2);  reshape_11 = None
 
         # File: common.py:100 in forward, code: next_ts = torch.cat([timestamps[:, 1:], timestamps[:, -1:]], dim=1)
         getitem_5: "i64[4, 7]" = l_timestamps_[(slice(None, None, None), slice(1, None, None))]
@@ -108,68 +105,67 @@ class GraphModule(torch.nn.Module):
         unsqueeze_6: "i64[4, 1, 8]" = l_timestamps_.unsqueeze(1);  l_timestamps_ = None
 
         # File: hstu.py:34 in forward, code: scores = torch.matmul(q, k.transpose(-2, -1)) + rab.unsqueeze(1)
-        permute_12 = permute_10.permute(0, 1, 2);  permute_10 = None
+        permute_12: "f32[u0, 2, 4]" = permute_10.permute(0, 1, 2);  permute_10 = None
 
         # File: common.py:69 in causal_padding_mask, code: return causal.unsqueeze(0) & valid.unsqueeze(1) & valid.unsqueeze(2)
         unsqueeze_9: "b8[4, 1, 8]" = valid.unsqueeze(1)
         unsqueeze_10: "b8[4, 8, 1]" = valid.unsqueeze(2)
 
         # No stacktrace found for following nodes
-        permute_13 = permute_9.permute(0, 1, 2);  permute_9 = None
-        permute_14 = permute_12.permute(0, 1, 2);  permute_12 = None
-        permute_15 = permute_11.permute(0, 1, 2);  permute_11 = None
+        permute_13: "f32[u0, 2, 4]" = permute_9.permute(0, 1, 2);  permute_9 = None
+        permute_14: "f32[u0, 2, 4]" = permute_12.permute(0, 1, 2);  permute_12 = None
+        permute_15: "f32[u0, 2, 4]" = permute_11.permute(0, 1, 2);  permute_11 = None
         permute_3: "i64[4, 8, 1]" = unsqueeze_5.permute(0, 1, 2);  unsqueeze_5 = None
         reshape_1: "i64[4, 8]" = permute_3.reshape(4, 8);  permute_3 = None
         expand: "i64[4, 8]" = reshape_1.expand(4, 8);  reshape_1 = None
-        reshape_12 = expand.reshape(32);  expand = None
-        getitem_17 = reshape_12[pack_index_default];  reshape_12 = None
+        reshape_12: "i64[32]" = expand.reshape(32);  expand = None
+        getitem_17: "i64[u0]" = reshape_12[pack_index_default];  reshape_12 = None
         permute_4: "b8[4, 8, 1]" = unsqueeze_10.permute(0, 1, 2);  unsqueeze_10 = None
         reshape_2: "b8[4, 8]" = permute_4.reshape(4, 8);  permute_4 = None
         expand_1: "b8[4, 8]" = reshape_2.expand(4, 8);  reshape_2 = None
-        reshape_13 = expand_1.reshape(32);  expand_1 = None
-        getitem_18 = reshape_13[pack_index_default];  reshape_13 = None
+        reshape_13: "b8[32]" = expand_1.reshape(32);  expand_1 = None
+        getitem_18: "b8[u0]" = reshape_13[pack_index_default];  reshape_13 = None
         permute_5: "i64[4, 8, 1]" = unsqueeze_6.permute(0, 2, 1);  unsqueeze_6 = None
         reshape_3: "i64[4, 8]" = permute_5.reshape(4, 8);  permute_5 = None
         expand_2: "i64[4, 8]" = reshape_3.expand(4, 8);  reshape_3 = None
-        reshape_14 = expand_2.reshape(32);  expand_2 = None
-        getitem_19 = reshape_14[pack_index_default];  reshape_14 = None
+        reshape_14: "i64[32]" = expand_2.reshape(32);  expand_2 = None
+        getitem_19: "i64[u0]" = reshape_14[pack_index_default];  reshape_14 = None
         permute_6: "b8[4, 8, 1]" = unsqueeze_9.permute(0, 2, 1);  unsqueeze_9 = None
         reshape_4: "b8[4, 8]" = permute_6.reshape(4, 8);  permute_6 = None
         expand_3: "b8[4, 8]" = reshape_4.expand(4, 8);  reshape_4 = None
-        reshape_15 = expand_3.reshape(32);  expand_3 = None
-        getitem_20 = reshape_15[pack_index_default];  reshape_15 = None
+        reshape_15: "b8[32]" = expand_3.reshape(32);  expand_3 = None
+        getitem_20: "b8[u0]" = reshape_15[pack_index_default];  reshape_15 = None
 
         # File: hstu.py:37 in forward, code: out = torch.matmul(attn, v).transpose(1, 2).reshape(B, N, H * dv)
-        jagged_attention_default = torch.ops.grcompile.jagged_attention.default(permute_13, permute_14, permute_15, valid_to_offsets, mod, [getitem_17, getitem_18], [getitem_19, getitem_20], [l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_, l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_], None, score_mod = 'captured-0071706ec5bf', use_qk = True, activation = 'identity', scale = 1.0, out_scale = 1.0, causal = True, max_len = 8, dropout_p = 0.0);  permute_13 = permute_14 = permute_15 = valid_to_offsets = mod = getitem_17 = getitem_18 = getitem_19 = getitem_20 = l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_ = l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_ = None
+        jagged_attention_default: "f32[u0, 2, 4]" = torch.ops.grcompile.jagged_attention.default(permute_13, permute_14, permute_15, valid_to_offsets, mod, [getitem_17, getitem_18], [getitem_19, getitem_20], [l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_, l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_], None, score_mod = 'captured-0071706ec5bf', use_qk = True, activation = 'identity', scale = 1.0, out_scale = 1.0, causal = True, max_len = 8, dropout_p = 0.0);  permute_13 = permute_14 = permute_15 = valid_to_offsets = mod = getitem_17 = getitem_18 = getitem_19 = getitem_20 = l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_ = l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_ = None
 
         # No stacktrace found for following nodes
-        permute_16 = jagged_attention_default.permute(0, 1, 2);  jagged_attention_default = None
-        reshape_16 = permute_16.reshape(-1, 2, 4);  permute_16 = None
+        permute_16: "f32[u0, 2, 4]" = jagged_attention_default.permute(0, 1, 2);  jagged_attention_default = None
+        reshape_16: "f32[u0, 2, 4]" = permute_16.reshape(-1, 2, 4);  permute_16 = None
 
         # File: hstu.py:37 in forward, code: out = torch.matmul(attn, v).transpose(1, 2).reshape(B, N, H * dv)
-        permute_17 = reshape_16.permute(0, 1, 2);  reshape_16 = None
-        reshape_17 = permute_17.reshape(-1, 8);  permute_17 = None
+        permute_17: "f32[u0, 2, 4]" = reshape_16.permute(0, 1, 2);  reshape_16 = None
+        reshape_17: "f32[u0, 8]" = permute_17.reshape(-1, 8);  permute_17 = None
 
         # File: hstu.py:39 in forward, code: gated = u * F.layer_norm(out, (H * dv,), eps=1e-6)
-        layer_norm_3 = torch.nn.functional.layer_norm(reshape_17, (8,), eps = 1e-06);  reshape_17 = None
-        mul_7 = getitem_13 * layer_norm_3;  getitem_13 = layer_norm_3 = None
+        gated_norm_default_1: "f32[u0, 8]" = torch.ops.grcompile.gated_norm.default(reshape_17, getitem_13, kind = 'layer', eps = 1e-06);  reshape_17 = getitem_13 = None
 
         # File: hstu.py:40 in forward, code: return x + self.output(self.dropout(gated))
-        dropout_3 = torch.nn.functional.dropout(mul_7, 0.0, True, False);  mul_7 = None
-        linear_3 = torch._C._nn.linear(dropout_3, l_self_modules_blocks_modules_0_modules_output_parameters_weight_, l_self_modules_blocks_modules_0_modules_output_parameters_bias_);  dropout_3 = l_self_modules_blocks_modules_0_modules_output_parameters_weight_ = l_self_modules_blocks_modules_0_modules_output_parameters_bias_ = None
-        add_6 = mul_6 + linear_3;  mul_6 = linear_3 = None
+        dropout_3: "f32[u0, 8]" = torch.nn.functional.dropout(gated_norm_default_1, 0.0, True, False);  gated_norm_default_1 = None
+        linear_3: "f32[u0, 8]" = torch._C._nn.linear(dropout_3, l_self_modules_blocks_modules_0_modules_output_parameters_weight_, l_self_modules_blocks_modules_0_modules_output_parameters_bias_);  dropout_3 = l_self_modules_blocks_modules_0_modules_output_parameters_weight_ = l_self_modules_blocks_modules_0_modules_output_parameters_bias_ = None
+        add_6: "f32[u0, 8]" = mul_6 + linear_3;  mul_6 = linear_3 = None
 
         # File: common.py:53 in forward, code: return F.normalize(x, dim=-1) * valid.unsqueeze(-1)
-        normalize_1 = torch.nn.functional.normalize(add_6, dim = 1);  add_6 = None
+        normalize_1: "f32[u0, 8]" = torch.nn.functional.normalize(add_6, dim = 1);  add_6 = None
         unsqueeze_12: "b8[4, 8, 1]" = valid.unsqueeze(-1);  valid = None
 
         # No stacktrace found for following nodes
-        reshape_18 = unsqueeze_12.reshape(32, 1);  unsqueeze_12 = None
-        getitem_21 = reshape_18[pack_index_default];  reshape_18 = None
+        reshape_18: "b8[32, 1]" = unsqueeze_12.reshape(32, 1);  unsqueeze_12 = None
+        getitem_21: "b8[u0, 1]" = reshape_18[pack_index_default];  reshape_18 = None
 
         # File: common.py:53 in forward, code: return F.normalize(x, dim=-1) * valid.unsqueeze(-1)
-        mul_8 = normalize_1 * getitem_21;  normalize_1 = getitem_21 = None
+        mul_8: "f32[u0, 8]" = normalize_1 * getitem_21;  normalize_1 = getitem_21 = None
 
         # No stacktrace found for following nodes
-        jagged_to_dense = grcompile_lowering_jagged_jagged_to_dense(mul_8, pack_index_default, 4, 8);  mul_8 = pack_index_default = None
+        jagged_to_dense: "f32[4, 8, 8]" = grcompile_lowering_jagged_jagged_to_dense(mul_8, pack_index_default, 4, 8);  mul_8 = pack_index_default = None
         return (jagged_to_dense,)
