@@ -117,22 +117,51 @@ class Pair:
                                        msg=lambda m, n=n: f"{what}: gradient of {n} differs from eager\n{m}")
 
 
-def run_sequence(name: str, lowering: str, shapes: bool = True) -> tuple[grcompile.Report, grcompile.Report]:
-    """train -> eval (grad) -> eval (no_grad) -> train on one optimized module, then (``shapes``)
-    train steps with other batch sizes and padded lengths. Returns the report after the first step
-    (what the first compile did) and at the end."""
+SHAPES = ((3, 9), (6, MAX_LEN))          # (B, N) after the first shape: both change, then B alone
+MORE_SHAPES = ((4, 7), (2, 11), (5, 10))  # the slow profile goes on with these
+
+
+def run_sequence(name: str, lowering: str, shapes: tuple[tuple[int, int], ...] = SHAPES,
+                 eval_grad: bool = True) -> tuple[grcompile.Report, grcompile.Report]:
+    """train -> eval (with gradients, ``eval_grad``) -> eval (no_grad) -> train on one optimized
+    module, then train steps at the other ``(B, N)`` in ``shapes``. Returns the report after the
+    first step (what the first compile did) and the one at the end."""
     user, _ = load(name)
     pair = Pair(user, lowering)
     pair.step(BATCH, MAX_LEN, seed=0, train=True)
     first = copy.deepcopy(pair.report())
-    _FIRST_REPORTS[(name, lowering)] = first
-    pair.step(BATCH, MAX_LEN, seed=1, train=False)
+    _FIRST_REPORTS.setdefault((name, lowering), first)
+    if eval_grad:
+        pair.step(BATCH, MAX_LEN, seed=1, train=False)
     pair.step(BATCH, MAX_LEN, seed=2, train=False, grad=False)
     pair.step(BATCH, MAX_LEN, seed=3, train=True)
-    if shapes:
-        for i, (b, n) in enumerate([(4, 9), (6, MAX_LEN), (3, 7)]):
-            pair.step(b, n, seed=10 + i, train=True)
+    for i, (b, n) in enumerate(shapes):
+        pair.step(b, n, seed=10 + i, train=True)
     return first, pair.report()
+
+
+def run_with_dropout(name: str, lowering: str, dropout: float = 0.3) -> None:
+    """Train steps with dropout on (the random masks differ from eager's, so only the shape, the
+    finiteness and the set of parameters with gradients are compared), then an exact eval step on
+    the same optimized module."""
+    user, _ = load(name, dropout=dropout)
+    pair = Pair(user, lowering)
+    user.module.train()
+    pair.optimized.train()
+    for seed in (0, 1):
+        args = as_tuple(user.make_batch(BATCH, MAX_LEN, seed))
+        pair.copy.zero_grad(set_to_none=True)
+        user.module.zero_grad(set_to_none=True)
+        ref, got = user.module(*args), pair.optimized(*args)
+        ref_loss, got_loss = user.step_loss(ref, args), user.step_loss(got, args)
+        assert torch.isfinite(got_loss), f"{name}: loss {got_loss} with dropout {dropout}"
+        assert [t.shape for t in _tensors(got)] == [t.shape for t in _tensors(ref)], name
+        ref_loss.backward()
+        got_loss.backward()
+        with_grad = lambda m: sorted(n for n, p in m.named_parameters() if p.grad is not None and p.grad.any())
+        assert with_grad(pair.copy) == with_grad(user.module), f"{name}: parameters with gradients differ"
+        assert all(torch.isfinite(p.grad).all() for p in pair.copy.parameters() if p.grad is not None), name
+    pair.step(BATCH, MAX_LEN, seed=2, train=False, grad=False)
 
 
 _FIRST_REPORTS: dict[tuple[str, str], grcompile.Report] = {}
@@ -153,7 +182,13 @@ def fused_count(report: grcompile.Report) -> int:
     return report.counters.get("fuse_attention.score_mod_attention", 0)
 
 
+def jagged_status(report: grcompile.Report) -> str:
+    """"y": the row-wise block runs on values ``[T, ...]`` (jagged_rewrite rewrote ops and gave up
+    nowhere); "partial": it rewrote ops but reported a fallback too; "n": it rewrote nothing."""
+    if not any(r["pass"] == "jagged_rewrite" for r in report.rewrites):
+        return "n"
+    return "partial" if any(f["pass"] == "jagged_rewrite" for f in report.fallbacks) else "y"
+
+
 def jagged(report: grcompile.Report) -> bool:
-    """The row-wise block runs on values ``[T, ...]``: jagged_rewrite rewrote ops and gave up nowhere."""
-    return (any(r["pass"] == "jagged_rewrite" for r in report.rewrites)
-            and not any(f["pass"] == "jagged_rewrite" for f in report.fallbacks))
+    return jagged_status(report) == "y"

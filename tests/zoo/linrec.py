@@ -1,8 +1,9 @@
 """Low-rank / linear attention for long sequences (LinRec-style): queries normalised by a softmax
 over the feature axis, keys by a softmax over the *sequence* axis (``dim=-2``), ``K^T V`` first
-(``[B, H, d, d]``), then ``Q (K^T V)``; plus an item-to-interest pooling whose weights are a
-softmax over the sequence axis. No padding mask anywhere: padded positions enter every row's
-normalisers, so the outputs at valid positions depend on them."""
+(``[B, H, d, d]``), then ``Q (K^T V)``; plus an item-to-interest read-out where each of K learned
+interests spreads a softmax over the *items* (``softmax(q @ interests^T, dim=-2) @ v_int``, the
+shape of inductor's attention pattern with the softmax on the wrong axis). No padding mask
+anywhere: padded positions enter every normaliser, so the outputs at valid positions depend on them."""
 import torch
 import torch.nn as nn
 
@@ -37,16 +38,21 @@ class LinRec(nn.Module):
         self.emb = nn.Embedding(num_items + 1, d, padding_idx=0)
         self.pos = nn.Embedding(max_len, d)
         self.layers = nn.ModuleList(LinearAttention(d, heads, dropout) for _ in range(layers))
-        self.interest = nn.Linear(d, interests)
+        self.h = heads
+        self.interests = nn.Parameter(torch.randn(interests, d) * 0.1)
+        self.to_q, self.to_v = nn.Linear(d, d), nn.Linear(d, d)
 
     def forward(self, ids):
-        x = self.emb(ids) + self.pos.weight[: ids.shape[1]]
+        B, N = ids.shape
+        x = self.emb(ids) + self.pos.weight[:N]
         for layer in self.layers:
             x = layer(x)
-        a = torch.softmax(self.interest(x), dim=1)  # [B, N, K], over positions
-        interests = a.transpose(1, 2) @ x            # [B, K, D]
-        scores = torch.softmax(x @ interests.transpose(1, 2), dim=-1)
-        return x + scores @ interests
+        heads = lambda t: t.view(B, t.shape[1], self.h, -1).permute(0, 2, 1, 3)
+        q = heads(self.to_q(x))                                    # [B, H, N, d]
+        k = heads(self.interests.expand(B, -1, -1))                # [B, H, K, d]
+        v = heads(self.to_v(self.interests).expand(B, -1, -1))     # [B, H, K, d]
+        a = torch.softmax(q @ k.transpose(-1, -2), dim=-2)         # [B, H, N, K]: over the items
+        return x + (a @ v).permute(0, 2, 1, 3).reshape(B, N, -1)
 
 
 def factory(max_len=12, num_items=40, dropout=0.1, **kw):
