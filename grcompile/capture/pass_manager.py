@@ -76,6 +76,25 @@ def node_site(node: fx.Node | None) -> str:
     return f"{filename.replace(chr(92), '/').rsplit('/', 1)[-1]}:{line} in {fn}"
 
 
+_MAX_ERROR = 200
+
+
+# object reprs an exception message may carry -> the name the user wrote
+_REPRS = ((re.compile(r"<built-in method (\w+) of type object at 0x[0-9a-fA-F]+>"), r"torch.\1"),
+          (re.compile(r"<method '(\w+)' of 'torch\._C\.TensorBase' objects>"), r"Tensor.\1"),
+          (re.compile(r"<(?:built-in )?function (\w+)(?: at 0x[0-9a-fA-F]+)?>"), r"\1"),
+          (re.compile(r" at 0x[0-9a-fA-F]+"), ""))
+
+
+def error_text(exc: BaseException) -> str:
+    """``TypeName: first line of the message``, object reprs replaced by names, at most ``_MAX_ERROR`` chars."""
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    for pattern, name in _REPRS:
+        text = pattern.sub(name, text)
+    return text if len(text) <= _MAX_ERROR else text[: _MAX_ERROR - 1] + "…"
+
+
 @dataclass
 class PassContext:
     """What a pass may record, for one captured graph. ``pass_name`` is set by the pipeline."""
@@ -113,7 +132,7 @@ class PassResult:
     nodes_after: int
     rewrites: list[dict[str, Any]]
     counters: dict[str, int]
-    error: str | None = None  # set when the pass was undone
+    error: str | None = None  # set when the pass was undone: "TypeName: message"
 
 
 OnPass = Callable[[fx.GraphModule, PassResult], None]
@@ -156,7 +175,7 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[GraphPass], ctx: PassConte
             gm.graph.lint()
             gm.recompile()
         except Exception as exc:  # noqa: BLE001 - any failure means "leave the graph alone"
-            error = repr(exc)
+            error = error_text(exc)
             del ctx.rewrites[n_rewrites:], ctx.fallbacks[n_fallbacks:]
             ctx.counters.clear()
             ctx.counters.update(saved_counters)
@@ -167,7 +186,10 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[GraphPass], ctx: PassConte
                 table.update(saved)
             gm.graph = saved_graph
             gm.recompile()
-            ctx.fallback(None, error)
+            kind, _, message = error.partition(": ")
+            ctx.fallback(None, f"the {name} pass raised {kind}" + (f" ({message})" if message else "")
+                         + f", an internal grcompile error; its changes were undone and the graph was left "
+                           f"as it was before {name}")
         if on_pass is not None:
             delta = {k: v - saved_counters.get(k, 0) for k, v in ctx.counters.items()
                      if v != saved_counters.get(k, 0)}

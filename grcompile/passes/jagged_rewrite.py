@@ -29,7 +29,7 @@ from .jagged_exits import ExitEmitter, prove_reads_valid, segment_kind, selectio
 from .jagged_region import ZeroAtPadding, feature_index, hoist_validity, sequence_softmaxes, shrink
 from . import row_spellings
 from .layout import Token, TupleOf
-from .op_semantics import arg, canonical, shape_of
+from .op_semantics import arg, canonical, describe_op, shape_of
 
 _POINTWISE = ("ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "add", "sub", "mul", "div", "neg",
               "unary", "where", "masked_fill", "dropout")
@@ -481,7 +481,7 @@ class _Rewriter:
             return call((J(x), *args[1:]), kwargs)
         if op == "fused_attention":
             return self._attention(n)
-        raise Unsupported(f"no jagged form for {op}", n)
+        raise Unsupported(f"{describe_op(n)} ({n.name}) has no jagged form", n)
 
     def _attention(self, n: fx.Node) -> fx.Node:
         g = self.g

@@ -194,3 +194,76 @@ def refresh_example_values(gm: fx.GraphModule, strict: bool = True) -> None:
     finally:
         if pending is not None:
             shape_env.pending_fresh_unbacked_symbols[:] = pending
+
+
+# --------------------------------------------------------------------------------------------
+# naming an op for a reader (fallback reasons, reports)
+
+_SYMBOLS = {"add": "+", "iadd": "+=", "sub": "-", "isub": "-=", "mul": "*", "imul": "*=", "truediv": "/",
+            "itruediv": "/=", "floordiv": "//", "mod": "%", "pow": "**", "matmul": "@", "imatmul": "@=",
+            "neg": "unary -", "pos": "unary +", "invert": "~", "and_": "&", "or_": "|", "xor": "^",
+            "lshift": "<<", "rshift": ">>", "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">",
+            "ge": ">=", "getitem": "indexing", "setitem": "indexed assignment", "not_": "not"}
+# where a target's __module__ says it lives -> how user code imports it (``F`` for torch.nn.functional)
+_MODULE_SPELLING = {"torch.nn.functional": "F.", "torch._C._nn": "F.", "torch.functional": "torch.",
+                    "torch": "torch.", "torch._C._VariableFunctions": "torch.", "torch._C._linalg": "torch.linalg.",
+                    "torch._C._special": "torch.special.", "torch._C._fft": "torch.fft.", "builtins": ""}
+
+
+def _dunder(name: str) -> str | None:
+    """``__add__`` / ``__radd__`` / ``__iadd__`` -> ``+`` / ``+`` / ``+=``; ``__getitem__`` -> indexing."""
+    if not (name.startswith("__") and name.endswith("__")):
+        return None
+    core = name[2:-2]
+    for key in (core, core + "_", core[1:] if core[:1] == "r" else None):
+        if key in _SYMBOLS:
+            return _SYMBOLS[key]
+    return None
+
+
+def describe_target(target: Any) -> str:
+    """A call target as the user wrote it: ``torch.where``, ``F.softmax``, ``Tensor.masked_fill``,
+    ``+``, ``torch.ops.grcompile.gated_norm`` — never an object repr."""
+    if isinstance(target, str):  # a method name (call_method) or an attribute path (get_attr)
+        return _dunder(target) or (f"Tensor.{target}" if target.isidentifier() else target)
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        name = target.name() if callable(getattr(target, "name", None)) else str(target)
+        return "torch.ops." + name.replace("::", ".").split(".default")[0]
+    name = getattr(target, "__name__", None)
+    if not isinstance(name, str):
+        return type(target).__name__
+    module = getattr(target, "__module__", None) or ""
+    if module in ("_operator", "operator"):
+        return _SYMBOLS.get(name, f"operator.{name}")
+    qualname = getattr(target, "__qualname__", "") or ""
+    if qualname.startswith(("TensorBase.", "Tensor.")):  # torch.Tensor.masked_fill called as a function
+        return _dunder(name) or f"Tensor.{name}"
+    if module in _MODULE_SPELLING:
+        for kind in ("linalg", "special", "fft"):  # torch._C._linalg.linalg_norm is torch.linalg.norm
+            if module.endswith("._" + kind):
+                name = name.removeprefix(kind + "_")
+        return _MODULE_SPELLING[module] + name
+    if module.startswith("torch._"):  # a private home of a public function: the user called torch.<name>
+        return f"torch.{name}"
+    return f"{module}.{name}" if module else name
+
+
+def describe_op(node: Any) -> str:
+    """How the user wrote ``node``'s op, for a sentence: ``torch.where``, ``F.softmax``,
+    ``Tensor.masked_fill``, ``+``, ``the module encoder.norm``, ``an input``, ``the constant mask``;
+    for a non-node argument, a short description of its value."""
+    if not isinstance(node, fx.Node):
+        if isinstance(node, (bool, int, float, str, type(None))):
+            return repr(node)
+        if isinstance(node, torch.Tensor):
+            return f"a constant {str(node.dtype).replace('torch.', '')} tensor {list(node.shape)}"
+        return f"a {type(node).__name__}"
+    if node.op in ("call_function", "call_method"):
+        return describe_target(node.target)
+    if node.op == "call_module":
+        return f"the module {node.target}"
+    if node.op == "placeholder":
+        return "an input"
+    if node.op == "get_attr":
+        return f"the constant {node.target}"
+    return "the graph output"
