@@ -359,6 +359,7 @@ class _Rewriter:
         if a in self.members:
             value, layout = self.jagged[a], self.layouts[a]
         elif isinstance(self.layouts.get(a), Token):
+            a = self._one_row(a, out_layout)
             value, layout = self._pack(a), self.layouts[a]
         else:
             shape = shape_of(a)
@@ -386,6 +387,25 @@ class _Rewriter:
         if mapped != out_feats[len(out_feats) - len(mapped):]:
             raise Unsupported(f"{a.name} broadcasts across feature axes in a way the jagged form cannot keep", n)
         return value
+
+    def _one_row(self, a: fx.Node, out_layout: Token) -> fx.Node:
+        """A Token without a batch axis (the same for every row) whose tensor is nevertheless tiled
+        over the rows (``table[:N].unsqueeze(0).repeat(B, 1, 1)``, ``arange(N).expand_as(ids)``):
+        any one row of it, so the pack does not gather B copies."""
+        from .op_semantics import example
+
+        layout, shape = self.layouts[a], shape_of(a)
+        axis = None if out_layout.batch is None else out_layout.batch - (out_layout.ndim - layout.ndim)
+        if layout.batch is not None or axis is None or axis < 0 or axis == layout.seq or shape[axis] == 1:
+            return a
+        narrowed = self.__dict__.setdefault("_narrowed", {})
+        if (a, axis) not in narrowed:
+            with self.g.inserting_after(a):
+                row = self.g.call_method("narrow", (a, axis, 0, 1))
+            row.meta["example_value"] = example(a).narrow(axis, 0, 1)
+            self.layouts[row] = layout
+            narrowed[(a, axis)] = row
+        return narrowed[(a, axis)]
 
     def _dim(self, n: fx.Node, d: int, layout: Token | None = None) -> int:
         layout = layout or self.layouts[n.args[0]] if isinstance(n.args[0], fx.Node) else layout

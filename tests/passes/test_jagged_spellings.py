@@ -341,6 +341,29 @@ def test_row_wise_spellings_go_jagged():
     assert jagged_fallbacks(report) == [] and counter(report, "dense_tail_ops") == 0
 
 
+class TiledPositions(nn.Module):
+    """Positions tiled over the batch before the lookup (``arange(N).unsqueeze(0).expand_as(ids)``,
+    the BERT / TransformerEncoder style): the same for every row, packed from one row."""
+
+    def __init__(self):
+        super().__init__()
+        self.item = nn.Embedding(V, D, padding_idx=0)
+        self.pos = nn.Embedding(N, D)
+        self.ff = nn.Linear(D, D)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        x = self.item(ids) + self.pos(positions)
+        return F.gelu(self.ff(x)) * (ids != 0).unsqueeze(-1)
+
+
+def test_positions_tiled_over_rows():
+    torch.manual_seed(9)
+    model = TiledPositions().double()
+    _, report = check(model, (make_ids([0, 1, N, 3], "left"),), tokens(lambda ids: ids != 0))
+    assert {"embedding", "linear"} <= set(jagged_ops(report)) and jagged_fallbacks(report) == []
+
+
 # ------------------------------------------------------------------ random length mixes
 
 @settings(max_examples=6, deadline=None)
