@@ -107,9 +107,12 @@ def _user_stacklevel() -> int:
 
 
 def input_signature(args: tuple, kwargs: dict) -> tuple:
-    """Shapes and dtypes of the top-level tensor arguments: what a recompile is keyed on here."""
+    """Shapes and dtypes of the top-level tensor arguments, values of Python scalars (Dynamo
+    specialises on them): what a recompile is keyed on here."""
     def one(v: Any) -> Any:
-        return (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
+        if isinstance(v, torch.Tensor):
+            return tuple(v.shape), v.dtype
+        return v if isinstance(v, (bool, int, float, str)) else None
     return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
 
 

@@ -234,18 +234,27 @@ def test_lowering_failure_strict_raises():
 
 # --- the recompile limit ----------------------------------------------------------------------
 
+class Scaled(Small):
+    """Dynamo specialises on the Python int: each new ``k`` is a recompile (whatever the shape
+    policy does with tensor axes)."""
+
+    def forward(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        return super().forward(x) * k
+
+
 def test_recompile_limit_is_reported_with_the_shapes_that_ran_eagerly():
     torch.manual_seed(0)
-    eager = Small()
+    eager = Scaled()
     fast = grcompile.optimize(copy.deepcopy(eager), lowering="eager", dynamic=False)
+    x = torch.randn(3, 8)
     with torch._dynamo.config.patch(recompile_limit=2):
-        for rows in (2, 3):
-            torch.testing.assert_close(fast(torch.ones(rows, 8)), eager(torch.ones(rows, 8)))
+        for k in (1, 2):
+            torch.testing.assert_close(fast(x, k), eager(x, k))
         assert grcompile.report(fast).unoptimized == []
         with pytest.warns(UnoptimizedWarning, match="recompile_limit"):
-            torch.testing.assert_close(fast(torch.ones(4, 8)), eager(torch.ones(4, 8)))
-        for rows in (5, 5, 2):  # two more calls past the limit, one shape compiled before it
-            torch.testing.assert_close(fast(torch.ones(rows, 8)), eager(torch.ones(rows, 8)))
+            torch.testing.assert_close(fast(x, 3), eager(x, 3))
+        for k in (4, 4, 1):  # two more calls past the limit, one signature compiled before it
+            torch.testing.assert_close(fast(x, k), eager(x, k))
     report = grcompile.report(fast)
     assert report.compiles == 2
     [entry] = report.unoptimized
@@ -254,8 +263,8 @@ def test_recompile_limit_is_reported_with_the_shapes_that_ran_eagerly():
 
 
 def test_recompile_limit_strict_raises():
-    fast = grcompile.optimize(Small(), lowering="eager", dynamic=False, strict=True)
+    fast = grcompile.optimize(Scaled(), lowering="eager", dynamic=False, strict=True)
     with torch._dynamo.config.patch(recompile_limit=1):
-        fast(torch.ones(2, 8))
+        fast(torch.ones(2, 8), 1)
         with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
-            fast(torch.ones(3, 8))
+            fast(torch.ones(2, 8), 2)
