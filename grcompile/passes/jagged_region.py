@@ -250,3 +250,49 @@ def _leaves(items: list) -> list:
     out: list = []
     fx.node.map_aggregate(items, lambda a: out.append(a) or a)
     return out
+
+
+def tiled_along(n, axis: int, depth: int = 16) -> bool:
+    """Is ``n`` provably the same at every index of ``axis`` (a size-1 axis broadcast by
+    ``expand`` / ``repeat``, and what embeddings and pointwise ops compute from such tensors)?
+    A layout without a batch axis says "the same for every row" only as far as its operands'
+    layouts go; this checks the values' provenance before one row stands for all."""
+    if not isinstance(n, fx.Node):
+        return True  # a Python scalar
+    shape = shape_of(n)
+    if shape is None or axis < 0 or axis >= len(shape):
+        return False
+    if shape[axis] == 1:
+        return True
+    if depth == 0:
+        return False
+    op = canonical(n)
+    x = n.args[0] if n.args else None
+    in_shape = shape_of(x) if isinstance(x, fx.Node) else None
+    if op in ("expand", "repeat") and in_shape is not None:
+        source = axis - (len(shape) - len(in_shape))  # leading axes are new: tiled
+        if source < 0:
+            return True
+        if op == "repeat" or in_shape[source] == 1:
+            return in_shape[source] == 1 or tiled_along(x, source, depth - 1)
+        return tiled_along(x, source, depth - 1)
+    if op == "embedding":
+        return tiled_along(x, axis, depth - 1) if in_shape is not None and axis < len(in_shape) else False
+    if op == "unsqueeze":
+        d = arg(n, 1, "dim")
+        d = d % len(shape) if isinstance(d, int) else None
+        if d is None:
+            return False
+        return True if d == axis else tiled_along(x, axis - (axis > d), depth - 1)
+    if op in ZeroAtPadding._ARITH or op == "dropout":
+        if op == "dropout" and arg(n, 2, "training", True) and arg(n, 1, "p", 0.5):
+            return False  # independent draws per element
+        for a in n.all_input_nodes:
+            s = shape_of(a)
+            if s is None:
+                return False
+            k = axis - (len(shape) - len(s))
+            if k >= 0 and not tiled_along(a, k, depth - 1):
+                return False
+        return True
+    return False

@@ -26,7 +26,7 @@ from ..lowering.jagged import jagged_to_dense, segment_softmax, valid_to_offsets
 from .attention_capture import Unsupported, side_value, _Any
 from .detect_padding import analyse
 from .jagged_exits import ExitEmitter, prove_reads_valid, segment_kind, selection_kind
-from .jagged_region import ZeroAtPadding, feature_index, hoist_validity, sequence_softmaxes, shrink
+from .jagged_region import ZeroAtPadding, feature_index, hoist_validity, sequence_softmaxes, shrink, tiled_along
 from . import row_spellings
 from .layout import Token, TupleOf
 from .op_semantics import arg, canonical, describe_op, shape_of
@@ -398,6 +398,8 @@ class _Rewriter:
         axis = None if out_layout.batch is None else out_layout.batch - (out_layout.ndim - layout.ndim)
         if layout.batch is not None or axis is None or axis < 0 or axis == layout.seq or shape[axis] == 1:
             return a
+        if not tiled_along(a, axis):
+            raise Unsupported(f"{a.name} {list(shape)} varies along the rows, which its layout does not follow", a)
         narrowed = self.__dict__.setdefault("_narrowed", {})
         if (a, axis) not in narrowed:
             with self.g.inserting_after(a):

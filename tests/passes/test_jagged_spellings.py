@@ -364,6 +364,30 @@ def test_positions_tiled_over_rows():
     assert {"embedding", "linear"} <= set(jagged_ops(report)) and jagged_fallbacks(report) == []
 
 
+class RowVarying(nn.Module):
+    """A position term plus a value that varies over the rows through an op without a layout
+    (``flip`` over the batch): the sum has no batch axis in its layout, but one row may not
+    stand for all of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.item = nn.Embedding(V, D, padding_idx=0)
+        self.ff = nn.Linear(D, D)
+
+    def forward(self, ids):
+        valid = (ids != 0).unsqueeze(-1)
+        x = self.item(ids) * valid
+        w = torch.arange(ids.shape[1], device=ids.device)[None, :, None] * 0.1 + x.flip(0)
+        return self.ff(x) * valid + w * valid
+
+
+def test_row_varying_operand_is_not_packed_from_one_row():
+    torch.manual_seed(10)
+    model = RowVarying().double()
+    _, report = check(model, (make_ids([0, 1, N, 3], "holes"),), tokens(lambda ids: ids != 0))
+    assert any("varies along the rows" in r for r in jagged_fallbacks(report)), jagged_fallbacks(report)
+
+
 # ------------------------------------------------------------------ random length mixes
 
 @settings(max_examples=6, deadline=None)
