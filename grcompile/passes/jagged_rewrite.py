@@ -14,6 +14,7 @@ report names the consumer.
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -36,6 +37,14 @@ _POINTWISE = ("ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "add", "su
 _HANDLED = _POINTWISE + ("linear", "layer_norm", "rms_norm", "normalize", "softmax", "embedding", "reshape",
                          "unsqueeze", "squeeze", "transpose", "permute", "expand", "split", "chunk", "getitem",
                          "cat", "matmul", "reduce", "fused_attention")
+
+
+def _smaller(u: fx.Node, x: fx.Node) -> bool:
+    """Does selection ``u`` read well under half of ``x`` (a gather beats the dense unpack)?"""
+    su, sx = shape_of(u), shape_of(x)
+    if su is None or sx is None or not all(type(s) is int for s in (*su, *sx)):
+        return True  # unknown or symbolic sizes: a selection is usually a few rows
+    return 2 * math.prod(su) < math.prod(sx)
 
 
 _WORK = ("embedding", "linear", "layer_norm", "rms_norm", "matmul", "fused_attention")
@@ -283,7 +292,8 @@ class _Rewriter:
                     with g.inserting_before(u):
                         new = self.exits.segment(u, self.jagged[n], layout, kind)
                     self._count(f"exit_segment_{kind}")
-                elif selection_kind(u, n, self.members) is not None and (zero(n) or self._proof(n, u) is None):
+                elif selection_kind(u, n, self.members) is not None and (
+                        (zero(n) and _smaller(u, n)) or (not zero(n) and self._proof(n, u) is None)):
                     with g.inserting_before(u):
                         new = self.exits.select(u, n, self.jagged[n], layout)
                     self._count("exit_row_select")
