@@ -269,7 +269,7 @@ def _chunk_attention(qb, kb, vb, q_pos, k_pos, k_valid, q_sides, k_sides, tables
     qp, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]
     if mod is not None:
         s = mod(s, qp, kp, tuple(t[:, None, :, None] for t in q_sides),
-                tuple(t[:, None, None, :] for t in k_sides), tuple(tables))
+                tuple(t[:, None, None, :] for t in k_sides), tuple(tables), heads=vb.shape[1])
         s = s.to(dtype)
     allowed = k_valid[:, None, None, :]
     if causal:

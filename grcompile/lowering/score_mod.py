@@ -16,6 +16,9 @@ Two calling conventions (``kind``; inferred when omitted: ``"score"`` iff the fi
 * ``"score"``: ``fn(score, q_pos, k_pos, *q_side, *k_side, *tables) -> value`` — the flattened
   FlexAttention form the attention-capture pass produces (an ``fx.GraphModule`` holding the
   whole pointwise region); the op uses ``value`` as the score (``score`` is ``scale·q·k`` or 0).
+  A function whose fourth input is named ``head`` (a GraphModule placeholder or a parameter) gets
+  the head index there, ``[1, H, 1, 1]`` int64: ``fn(score, q_pos, k_pos, head, *q_side, ...)``
+  (per-head bias tables).
 
 Both must be pointwise and broadcastable (the result broadcasts to ``[.., H, Lq, Lk]``; it may
 omit the head axis). Keys are stable across processes for plain functions and GraphModules with
@@ -42,11 +45,16 @@ class ScoreMod:
     key: str
     fn: Callable
     kind: str  # "bias" | "score"
+    head: bool = False  # a "score" function that takes the head index (4th input)
 
-    def __call__(self, score, q_pos, k_pos, q_side: tuple, k_side: tuple, tables: tuple):
-        """The modified score (``score`` may be a 0-d zero when the op does not use q·k)."""
+    def __call__(self, score, q_pos, k_pos, q_side: tuple, k_side: tuple, tables: tuple, heads: int = 1):
+        """The modified score (``score`` may be a 0-d zero when the op does not use q·k); ``heads``
+        is the number of heads of the block (for functions that take the head index)."""
         if self.kind == "bias":
             return score + self.fn(q_pos, k_pos, q_side, k_side, tables)
+        if self.head:
+            head = torch.arange(heads, device=q_pos.device).view(1, heads, 1, 1)
+            return self.fn(score, q_pos, k_pos, head, *q_side, *k_side, *tables)
         return self.fn(score, q_pos, k_pos, *q_side, *k_side, *tables)
 
 
@@ -114,6 +122,15 @@ def _default_name(fn: Callable) -> str:
     return name[:48]
 
 
+def _input_names(fn: Callable) -> list[str]:
+    if isinstance(fn, fx.GraphModule):
+        return [n.name for n in fn.graph.nodes if n.op == "placeholder"]
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
 def _infer_kind(fn: Callable) -> str:
     """``"score"`` if the first input is named ``score`` (a GraphModule placeholder or a parameter)."""
     if isinstance(fn, fx.GraphModule):
@@ -142,7 +159,8 @@ def register_score_mod(fn: Callable, *, name: str | None = None, kind: str | Non
     digest = hashlib.sha256(f"{kind}|{_fingerprint(fn)}".encode()).hexdigest()[:12]
     key = f"{label}-{digest}"
     if key not in _REGISTRY:
-        _REGISTRY[key] = ScoreMod(key, fn, kind)
+        names = _input_names(fn)
+        _REGISTRY[key] = ScoreMod(key, fn, kind, head=kind == "score" and names[3:4] == ["head"])
     _BY_ID.setdefault(id(fn), key)
     return key
 

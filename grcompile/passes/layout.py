@@ -164,6 +164,28 @@ def _getitem(layout: Token | Pair, index: Any, in_shape: tuple[int, ...], out_nd
     return _shift(layout, lambda a: mapping.get(a), out_ndim)
 
 
+def _repeat(node: fx.Node, op: str, layout: Layout, in_shape: tuple[int, ...], nd: int) -> Layout:
+    """``x.repeat(*reps)`` / ``repeat_interleave(x, r, dim)``: tiling a size-1 (broadcast) axis or a
+    feature axis keeps the layout (``mask[:, None].repeat(1, H, 1, 1)``); tiling a token axis of
+    size > 1 mixes rows or positions and ends it."""
+    if not isinstance(layout, (Token, Pair)):
+        return None
+    if op == "repeat":
+        reps = node.args[1:] if len(node.args) > 2 else arg(node, 1, "repeats")
+        reps = list(reps) if isinstance(reps, (list, tuple)) else [reps]
+        if not all(isinstance(r, int) for r in reps) or len(reps) < len(in_shape):
+            return None
+        tiled = {a for a in range(len(in_shape)) if reps[a + len(reps) - len(in_shape)] != 1}
+    else:
+        repeats, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
+        if not isinstance(repeats, int) or not isinstance(dim, int):
+            return None  # per-element repeats, or a flattening repeat_interleave
+        tiled = {_norm_dim(dim, len(in_shape))} if repeats != 1 else set()
+    if any(in_shape[a] != 1 for a in layout.axes().values() if a in tiled):
+        return None
+    return _shift(layout, lambda a: a + nd - len(in_shape), nd)
+
+
 def _einsum(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
     parts = einsum_parts(node)
     if parts is None:
@@ -235,6 +257,8 @@ def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
         return _shift(lx, _reshape_map(in_shape, out_shape), nd)
     if op == "expand":
         return _shift(lx, lambda a: a + nd - len(in_shape), nd)
+    if op in ("repeat", "repeat_interleave"):
+        return _repeat(node, op, lx, in_shape, nd)
     if op == "transpose":
         d0, d1 = (_norm_dim(arg(node, i, n), nd) for i, n in ((1, "dim0"), (2, "dim1")))
         swapped = _shift(lx, lambda a: d1 if a == d0 else d0 if a == d1 else a, nd)
@@ -259,7 +283,7 @@ def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
         if isinstance(lx, (Token, Pair)):
             return _getitem(lx, idx, in_shape, nd)
         return None
-    if op == "embedding":
+    if op in ("embedding", "one_hot"):  # one_hot(idx, K): a new trailing feature axis
         li = _layout(env, x)
         return replace(li, ndim=nd) if isinstance(li, (Token, Pair)) else None
     if op in ("linear",):
@@ -297,6 +321,9 @@ def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
     if op in ("tril", "triu"):
         if isinstance(lx, Pair):
             return lx
+        if isinstance(lx, Token) and lx.seq in (nd - 2, nd - 1) and lx.batch not in (nd - 2, nd - 1) and \
+                in_shape[-2] == in_shape[-1]:
+            return Pair(lx.batch, nd - 2, nd - 1, nd)  # a per-token mask expanded over queries, then triangular
         # tril(ones(N, N)): a positional mask; its two trailing axes are (query, key)
         return Pair(None, nd - 2, nd - 1, nd) if lx is None and nd >= 2 else None
     if op == "matmul":
@@ -309,8 +336,8 @@ def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
             return Pair(batch, nd - 2, nd - 1, nd)  # q @ kᵀ
         if isinstance(la, Pair) and la.k == na - 1 and isinstance(lb, Token) and lb.seq == nb - 2:
             return Token(batch, nd - 2, nd)  # scores @ v: contraction over keys
-        if isinstance(la, Token) and la.seq != na - 1 and lb is None and nb <= 2:
-            return Token(la.batch if la.batch is None else la.batch + nd - na, la.seq + nd - na, nd)
+        if isinstance(la, (Token, Pair)) and lb is None and nb <= 2 and not _touches(la, {na - 1}):
+            return replace(la, ndim=nd)  # x @ W over a feature axis (one_hot(idx) @ table): axes stay
         return None
     if op == "einsum":
         return _einsum(node, env)

@@ -54,7 +54,8 @@ _register("einsum", torch.einsum)
 # unary pointwise (layout-preserving, value-wise)
 _UNARY = ("silu", "relu", "gelu", "sigmoid", "tanh", "exp", "log", "abs", "sqrt", "rsqrt", "clamp", "pow",
           "float", "long", "int", "bool", "half", "bfloat16", "to", "type_as", "contiguous", "clone",
-          "log1p", "floor", "ceil", "round", "sign", "square", "elu", "leaky_relu", "softplus", "detach")
+          "log1p", "floor", "ceil", "round", "sign", "square", "elu", "leaky_relu", "softplus", "detach",
+          "nan_to_num", "isnan", "isinf", "isfinite")
 for _name in _UNARY:
     targets = [getattr(mod, _name) for mod in (torch, F) if hasattr(mod, _name)]
     _register("unary", *targets, methods=(_name,))
@@ -67,8 +68,13 @@ _register("reshape", torch.reshape, methods=("view", "reshape"))
 _register("transpose", torch.transpose, torch.swapaxes, methods=("transpose", "swapaxes"))
 _register("permute", torch.permute, methods=("permute",))
 _register("expand", methods=("expand", "expand_as"))
+# tiling: a layout survives where only size-1 (broadcast) axes or feature axes are tiled
+_register("repeat", methods=("repeat",))
+_register("repeat_interleave", torch.repeat_interleave, methods=("repeat_interleave",))
+_register("one_hot", F.one_hot)
 _register("split", torch.split, torch.functional.split, methods=("split",))
 _register("chunk", torch.chunk, methods=("chunk",))
+_register("unbind", torch.unbind, methods=("unbind",))
 _register("cat", torch.cat, torch.concat, torch.concatenate)
 _register("getitem", operator.getitem)
 # row-wise library ops
