@@ -61,6 +61,9 @@ for _name in _UNARY:
     _register("unary", *targets, methods=(_name,))
 _register("unary", torch.clamp_min, torch.clamp_max, torch.clip, methods=("clamp_min", "clamp_max", "clip"))
 _register("unary", operator.pow, methods=("__pow__",))  # x ** 2 (pointwise in both operands)
+for _name in ("erf", "erfc", "expm1", "reciprocal", "sin", "cos", "mish", "hardswish", "hardsigmoid", "selu", "celu",
+              "logsigmoid", "softsign", "relu6", "silu_", "exp2"):  # more pointwise math (erf GELU, Mish, ...)
+    _register("unary", *[getattr(mod, _name) for mod in (torch, F) if hasattr(mod, _name)], methods=(_name,))
 # shape / layout
 _register("unsqueeze", torch.unsqueeze, methods=("unsqueeze",))
 _register("squeeze", torch.squeeze, methods=("squeeze",))
