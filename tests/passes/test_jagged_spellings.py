@@ -422,3 +422,37 @@ def test_exits_with_inductor_one_compile():
                                       optimized=optimized)
         assert report.compiles == 1 and not report.unoptimized
         assert jagged_fallbacks(report) == []
+
+
+# ------------------------------------------------------------------ the zoo (tests/zoo): the exits people write
+
+ZOO_EXITS = {  # model -> counters (jagged_rewrite.<key> >= 1) its first compile must show
+    "hstu_slices_left": ["exit_row_select"],                        # h[:, -1] under left padding from lengths
+    "pooling_heads": ["segment_softmax", "exit_segment_sum"],        # masked mean + softmax pooling
+    "sasrec_pmixer": ["conv1x1_as_linear", "validity_hoisted_ops"],  # Conv1d FFN, mask after the embedding
+    "hstu_gather_holes": ["exit_row_select"],
+    "sdpa_bool_meanpool": ["exit_segment_sum"],
+    "conv_ffn_nonaffine": ["conv1x1_as_linear", "validity_hoisted_ops"],
+    "bert4rec_torch_encoder": ["validity_hoisted_ops"],
+}
+_ZOO_DEFAULT = {"hstu_slices_left", "pooling_heads", "sasrec_pmixer"}
+
+
+@pytest.mark.parametrize("name", [n if n in _ZOO_DEFAULT else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in ZOO_EXITS])
+def test_zoo_models_exit_jagged(name):
+    from tests.zoo.harness import first_report, jagged_status
+
+    report = first_report(name)  # one checked training step (values + gradients vs eager)
+    assert jagged_status(report) == "y", report
+    for key in ZOO_EXITS[name]:
+        assert counter(report, key) >= 1, (key, report.counters)
+
+
+def test_zoo_recbole_gather_stays_dense_with_the_reason():
+    """RecBole reads ``hidden`` at ``item_seq_len - 1`` (an input) under ``item_seq != 0``: nothing
+    in the graph ties the two, so the read may land on padding; the tail before it stays dense."""
+    from tests.zoo.harness import first_report
+
+    reasons = jagged_fallbacks(first_report("recbole_sasrec"))
+    assert len(reasons) == 1 and "gather" in reasons[0] and "does not bound" in reasons[0], reasons
