@@ -76,14 +76,15 @@ def _bind(node: fx.Node, names: tuple[str, ...], defaults: dict[str, Any]) -> di
 
 
 def functionalise_masked_fill(gm: fx.GraphModule) -> int:
-    """``t.masked_fill_(m, v)`` → ``t.masked_fill(m, v)`` where ``t`` is computed in the graph and
-    read by nothing else (torch's bool→additive mask conversion): the same value, no aliasing."""
+    """``t.masked_fill_(m, v)`` → ``t.masked_fill(m, v)`` where ``t`` is a fresh tensor from a
+    factory (``zeros_like``, ``full``, ...) read by nothing else — torch's bool→additive mask
+    conversion: the same value, and no other tensor shares its storage (a view would)."""
     count = 0
     for node in gm.graph.nodes:
         if node.op != "call_method" or node.target != "masked_fill_" or not node.args:
             continue
         t = node.args[0]
-        if isinstance(t, fx.Node) and t.op == "call_function" and set(t.users) == {node}:
+        if isinstance(t, fx.Node) and canonical(t) == "factory" and set(t.users) == {node}:
             node.target = "masked_fill"
             count += 1
     return count
