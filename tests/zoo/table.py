@@ -4,6 +4,7 @@ fired against what is legal (each model's EXPECT), exactness and the fallback re
 from __future__ import annotations
 
 import argparse
+import copy
 import re
 import subprocess
 import sys
@@ -32,26 +33,30 @@ def _first_line(doc: str | None) -> str:
 def row(name: str, lowering: str) -> dict:
     user, expect = load(name)
     pair = Pair(user, lowering)
-    exact, error = "y", ""
+    exact, error, first = "y", "", None
     try:
         pair.step(BATCH, MAX_LEN, seed=0, train=True)
+        first = copy.deepcopy(pair.report())  # counts of the training graph (the eval graph repeats them)
         pair.step(BATCH, MAX_LEN, seed=1, train=False, grad=False)
     except AssertionError as e:
         exact, error = "**NO (wrong)**", str(e).splitlines()[0]
     except Exception as e:  # a crash is reported, never hidden
         exact, error = "**NO (crash)**", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     report = pair.report()
+    first = first or report
     reasons: list[str] = []
     for f in report.fallbacks:
         text = f"{f['pass']}: {_short(f['reason'])} ({f['site'].split(' in ')[0]})"
         if text not in reasons:
             reasons.append(text)
+    for u in report.unoptimized:
+        reasons.append(f"**ran unoptimized**: {_short(str(u.get('error', '')))}")
     if report.graph_breaks:
         reasons.append(f"{report.graph_breaks} graph break(s): "
                        + _short("; ".join(r.splitlines()[0] for r in report.graph_break_reasons)))
     module = sys.modules[f"tests.zoo.{name}"]
-    return {"name": name, "style": _first_line(module.__doc__), "fused": fused_count(report),
-            "fused_expected": expect["fused_attention"], "jagged": jagged_status(report),
+    return {"name": name, "style": _first_line(module.__doc__), "fused": fused_count(first),
+            "fused_expected": expect["fused_attention"], "jagged": jagged_status(first),
             "jagged_expected": expect["jagged"], "exact": exact, "error": error, "reasons": reasons, "dense_reason": expect["dense_reason"]}
 
 
