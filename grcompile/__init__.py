@@ -77,6 +77,7 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
                       + runtime.plan.describe().replace("\n", "; ")
     state = GrcompileState(passes=passes, lowering=opts["lowering"], dump_dir=dump_dir, sparse_plan=sparse_plan,
                            strict=bool(opts["strict"]))
+    state.shapes.enabled = opts["dynamic"] is not True  # dynamic=True: every axis symbolic from the start
     if opts["sparse"] is not None:
         state.counters["sparse.features"] = len(runtime.plan.features)
         state.counters["sparse.tables"] = len(runtime.plan.tables)
@@ -105,7 +106,7 @@ def _where(model: Any) -> str:
 def _in_scope(fn: Callable[..., Any], state: GrcompileState, where: str) -> Callable[..., Any]:
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        with CallScope(state, input_signature(args, kwargs), where):
+        with CallScope(state, input_signature(args, kwargs), where), state.shapes.call(state, args, kwargs):
             return fn(*args, **kwargs)
 
     return call

@@ -104,7 +104,7 @@ class GrcompileBackend:
         if (why := state.shapes.recompile_reason(k)) is not None:
             state.recompiles.append(why)
         state.shapes.learn(gm)  # which inputs carry rows / positions, for the next shape change
-        guards = _shape_guards(example_inputs)
+        guards = _shape_guards(gm)
 
         ctx = PassContext(graph_index=k)
 
@@ -183,9 +183,12 @@ class _Guards:
         return len(self.env.guards)
 
 
-def _shape_guards(example_inputs: Sequence[Any]) -> _Guards | None:
-    """The ShapeEnv of a symbolic graph and its guard count now (None for a static graph)."""
-    for value in example_inputs:
+def _shape_guards(gm: fx.GraphModule) -> _Guards | None:
+    """The ShapeEnv of the graph's fake values and its guard count now."""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            break
+        value = node.meta.get("example_value")
         env = getattr(getattr(value, "fake_mode", None), "shape_env", None)
         if env is None and isinstance(value, torch.SymInt):
             env = value.node.shape_env

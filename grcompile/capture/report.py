@@ -25,6 +25,8 @@ class Report:
     # what ran without grcompile and why: {kind, graph, frame, error, site, ran} (+ calls, shapes
     # for kind "recompile_limit"); kinds: trace_error, lowering_error, recompile_limit, zero_size
     unoptimized: list[dict[str, Any]] = field(default_factory=list)
+    # why each compile after the first happened: {graph, reason} (capture/shapes.py)
+    recompiles: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,6 +53,8 @@ class Report:
             lines.append(f"  fallback  graph {f.get('graph', '?')}  {f['pass']}  at {f['site']}: {f['reason']}")
         for u in self.unoptimized:
             lines.append("  unoptimized  " + unoptimized_message(u).removeprefix("grcompile: "))
+        for r in self.recompiles:
+            lines.append(f"  recompile graph {r['graph']}: {r['reason']}")
         if self.sparse_plan:
             lines.append(f"sparse: {self.sparse_plan}")
         if self.counters:

@@ -12,14 +12,16 @@ layout says which axes index (row, position), never what the padded positions co
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
 
 from ..capture.pass_manager import GraphPass, PassContext, node_site
+from .axes import AxisClasses
 from .layout import Layout, Pair, Token, propagate
-from .op_semantics import arg, canonical, example, refresh_example_values, shape_of
+from .op_semantics import canonical, example, refresh_example_values, shape_of
+from .symbolic import known_eq
 
 LAYOUT = "grcompile_layout"
 PADDING = "grcompile_padding"
@@ -99,23 +101,25 @@ def analyse(gm: fx.GraphModule) -> PaddingInfo | None:
                   and example(n).dtype == torch.bool]
     if not candidates:
         return None
-    # (B, N) from the first validity found in program order; others must agree.
-    B, N = shape_of(candidates[0][0])
+    # Rows and positions are axis classes (axes.py), not sizes: B == N, or a [B, R] input with
+    # R == N, cannot confuse them. The validity is the candidate whose position axis is the most
+    # widely used one (attention pairs it with itself); others must share its classes.
+    classes = AxisClasses(gm)
+    first = max(candidates, key=lambda c: classes.spread(classes.find((c[0], 1))))[0]
+    rows, positions = classes.find((first, 0)), classes.find((first, 1))
+    if rows == positions:
+        return None  # some op mixes rows and positions: no layout can be trusted
+    B, N = shape_of(first)
     layouts: dict[fx.Node, Layout] = {}
     for node in gm.graph.nodes:
-        shape = shape_of(node)
         if node.op == "placeholder":
-            if shape is not None and len(shape) >= 2 and shape[:2] == (B, N):
-                layouts[node] = Token(0, 1, len(shape))
-            elif shape == (B,) and _is_int_tensor(node):
-                layouts[node] = Token(0, None, 1)  # per-row lengths
-            else:
-                layouts[node] = None
-        elif canonical(node) == "arange" and shape == (N,) and arg(node, 0, "end") == N and len(node.args) <= 1:
+            layouts[node] = _input_layout(node, classes, rows, positions)
+        elif canonical(node) == "arange" and _is_positions(node, N) and classes.axes_in(node, positions) == [0]:
             layouts[node] = Token(None, 0, 1)
         else:
-            layouts[node] = propagate(node, layouts)
-    masks = [n for n, _ in candidates if layouts.get(n) == Token(0, 1, 2) and shape_of(n) == (B, N)]
+            layouts[node] = _with_rows(propagate(node, layouts), node, classes, rows)
+    masks = [n for n, _ in candidates if layouts.get(n) == Token(0, 1, 2)
+             and classes.find((n, 0)) == rows and classes.find((n, 1)) == positions]
     validity = sorted((n for n in masks if n not in is_padding), key=lambda n: -len(n.users))
     padding = sorted((n for n in masks if n in is_padding), key=lambda n: -len(n.users))
     if not masks:
@@ -123,3 +127,32 @@ def analyse(gm: fx.GraphModule) -> PaddingInfo | None:
     first = (validity or padding)[0]
     description = dict(candidates)[first] + (" (marks padding)" if first in is_padding else "")
     return PaddingInfo(B, N, validity, f"{description} at {node_site(first)}", layouts, padding)
+
+
+def _with_rows(layout: Layout, node: fx.Node, classes: AxisClasses, rows) -> Layout:
+    """A size-1 row axis reads as a broadcast to the layout rules (a ``[1, N, D]`` table); when the
+    batch really has one row (a static B = 1), dataflow says which axis is the rows'."""
+    if not isinstance(layout, (Token, Pair)) or layout.batch is not None:
+        return layout
+    axes = [a for a in classes.axes_in(node, rows) if a not in layout.axes().values()]
+    return replace(layout, batch=axes[0]) if len(axes) == 1 else layout
+
+
+def _input_layout(node: fx.Node, classes: AxisClasses, rows, positions) -> Layout:
+    """A graph input is a token tensor when its axes are tied to the validity's rows / positions
+    by dataflow: exactly one row axis (``Token(b, n)`` with one position axis, ``Token(b, None)``
+    per-row values such as lengths) or one position axis (``Token(None, n)``)."""
+    shape = shape_of(node)
+    if shape is None:
+        return None
+    b, n = classes.axes_in(node, rows), classes.axes_in(node, positions)
+    if len(b) > 1 or len(n) > 1 or not (b or n):
+        return None
+    return Token(b[0] if b else None, n[0] if n else None, len(shape))
+
+
+def _is_positions(node: fx.Node, N) -> bool:
+    """``arange(N)`` (one argument, equal to the validity's N): the padded positions."""
+    if len(node.args) != 1 or set(node.kwargs) - {"device", "dtype", "layout", "pin_memory", "requires_grad"}:
+        return False
+    return known_eq(example(node.args[0]), N)

@@ -22,6 +22,7 @@ import torch.fx as fx
 from ..capture.pass_manager import GraphPass, PassContext
 from ..lowering import norm as _norm  # noqa: F401 (registers grcompile::gated_norm)
 from .op_semantics import arg, canonical, example, refresh_example_values
+from .symbolic import known_eq
 
 _KINDS = {"layer_norm": "layer", "rms_norm": "rms"}
 _EXACT_DTYPES = (torch.float32, torch.float64)
@@ -44,7 +45,7 @@ def _match_norm(node: fx.Node) -> tuple[str, float] | str:
         return "dtype"
     shape = arg(node, 1, "normalized_shape")
     shape = [shape] if isinstance(shape, int) else list(shape or [])
-    if len(shape) != 1 or shape[0] != xv.shape[-1]:
+    if len(shape) != 1 or not known_eq(example(shape[0]), xv.shape[-1]):
         return "not_last_dim"
     if op == "layer_norm":
         weight, bias, eps = arg(node, 2, "weight"), arg(node, 3, "bias"), arg(node, 4, "eps", 1e-5)
@@ -71,7 +72,7 @@ def _gate_of(norm: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     nv, uv = _example(norm), _example(u)
     if u is None or u is norm or nv is None or uv is None:
         return None
-    if tuple(uv.shape) != tuple(nv.shape) or uv.dtype != nv.dtype:
+    if uv.dim() != nv.dim() or not all(known_eq(a, b) for a, b in zip(uv.shape, nv.shape)) or uv.dtype != nv.dtype:
         return None
     return mul, u
 

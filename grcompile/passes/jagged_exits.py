@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
 from .layout import Token
 from .op_semantics import arg, canonical, describe_op, evaluate, example, shape_of
+from .symbolic import is_symbolic
 
 _SELECT_METHODS = ("gather", "select", "index_select", "narrow", "take_along_dim")
 _SELECT_FUNCTIONS = {torch.gather: "gather", torch.select: "select", torch.index_select: "index_select",
@@ -90,8 +92,10 @@ class ExitEmitter:
     """Emits jagged exits for one rewrite (shares the rank map and row index between exits)."""
 
     def __init__(self, g: fx.Graph, valid: fx.Node, index: fx.Node, rows: fx.Node, B: int, N: int,
-                 after: fx.Node) -> None:
+                 after: fx.Node, size: Callable[[Any], Any] = lambda s: s) -> None:
+        # B, N: graph arguments (ints or nodes); size: a (maybe symbolic) size -> graph argument
         self.g, self.valid, self.index, self.rows, self.B, self.N = g, valid, index, rows, B, N
+        self.size = size
         self.after = after  # where shared helpers go (right after the pack)
         self._rank: fx.Node | None = None
 
@@ -112,7 +116,7 @@ class ExitEmitter:
         """``values [T, *F]`` summed per row, in ``u``'s axis order."""
         shape = shape_of(u.args[0])
         feats = _features(layout)
-        out = self._emit(torch.zeros, self.B, *[shape[a] for a in feats], dtype=example(u).dtype,
+        out = self._emit(torch.zeros, self.B, *[self.size(shape[a]) for a in feats], dtype=example(u).dtype,
                          device=example(u).device)
         out = self._emit("index_add", out, 0, self.rows, values, method=True)
         if kind == "mean":
@@ -129,8 +133,8 @@ class ExitEmitter:
         """The elements ``u`` reads from ``x``, taken from ``values`` (0 for padded reads)."""
         shape = shape_of(x)
         feats = _features(layout)
-        fsizes = [shape[a] for a in feats]
-        P = math.prod(fsizes)
+        fsizes = [self.size(shape[a]) for a in feats]
+        P = self.size(math.prod([shape[a] for a in feats]))
         g = self.g
         zero = self._emit(torch.zeros, 1, *fsizes, dtype=example(x).dtype, device=example(x).device)
         ext = self._emit(torch.cat, [zero, values])
@@ -139,11 +143,13 @@ class ExitEmitter:
         rank = self.rank()
         if layout.batch > layout.seq:
             rank = self._emit("transpose", rank, 0, 1, method=True)
-        sizes = [shape[a] if a in (layout.batch, layout.seq) else 1 for a in range(layout.ndim)]
-        rank = self._emit("expand", self._emit("reshape", rank, *sizes, method=True), *shape, method=True)
+        full = [self.size(s) for s in shape]  # x's sizes as graph arguments (x itself stays unused)
+        for a in feats:  # [b, n] -> x's rank with 1 on the feature axes
+            rank = self._emit("unsqueeze", rank, a, method=True)
+        rank = self._emit("expand", rank, *full, method=True)
         coord = self._emit(torch.arange, P, device=example(x).device)
-        fshape = [shape[a] if a in feats else 1 for a in range(layout.ndim)]
-        coord = self._emit("expand", self._emit("reshape", coord, *fshape, method=True), *shape, method=True)
+        fshape = [self.size(shape[a]) if a in feats else 1 for a in range(layout.ndim)]
+        coord = self._emit("expand", self._emit("reshape", coord, *fshape, method=True), *full, method=True)
         picked_rank = g.node_copy(u, lambda a: rank if a is x else a)
         picked_coord = g.node_copy(u, lambda a: coord if a is x else a)
         address = self._emit(operator.add, self._emit(operator.mul, picked_rank, P), picked_coord)
@@ -167,6 +173,10 @@ def prove_reads_valid(u: fx.Node, x: fx.Node, layout: Token, valid: fx.Node, lay
     and one ``[B]`` integer input (lengths); then each row's reads depend on its own lengths value
     only, and trying every value in a range that covers every threshold of the expressions
     (their integer constants and ±N) decides it. A row's reads must also come from that row."""
+    if is_symbolic(B) or is_symbolic(N):
+        # the proof enumerates concrete rows and positions; for every B and N it would need more
+        return (f"which positions {u.name} reads is only proved for a fixed batch and sequence size, and this "
+                f"graph is compiled for any (B = {B}, N = {N})")
     leaves: list[fx.Node] = []
     sub: list[fx.Node] = []
     seen: set[fx.Node] = set()

@@ -26,6 +26,7 @@ import torch.fx as fx
 from .attention_capture import ANY, Unsupported, _Any, _eval_abstract, is_masked, side_value
 from .layout import Token, TupleOf, propagate
 from .op_semantics import arg, canonical, shape_of
+from .symbolic import is_one
 
 # ops whose position in the program matters (random draws, mutation): never moved
 _RANDOM = {torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
@@ -262,7 +263,7 @@ def tiled_along(n, axis: int, depth: int = 16) -> bool:
     shape = shape_of(n)
     if shape is None or axis < 0 or axis >= len(shape):
         return False
-    if shape[axis] == 1:
+    if is_one(shape[axis]):
         return True
     if depth == 0:
         return False
@@ -273,8 +274,8 @@ def tiled_along(n, axis: int, depth: int = 16) -> bool:
         source = axis - (len(shape) - len(in_shape))  # leading axes are new: tiled
         if source < 0:
             return True
-        if op == "repeat" or in_shape[source] == 1:
-            return in_shape[source] == 1 or tiled_along(x, source, depth - 1)
+        if op == "repeat" or is_one(in_shape[source]):
+            return is_one(in_shape[source]) or tiled_along(x, source, depth - 1)
         return tiled_along(x, source, depth - 1)
     if op == "embedding":
         return tiled_along(x, axis, depth - 1) if in_shape is not None and axis < len(in_shape) else False

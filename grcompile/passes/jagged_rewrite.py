@@ -31,6 +31,7 @@ from .jagged_region import ZeroAtPadding, feature_index, hoist_validity, sequenc
 from . import row_spellings
 from .layout import Token, TupleOf
 from .op_semantics import arg, canonical, describe_op, shape_of
+from .symbolic import SizeArgs, Unresolved, gt_one, hoist_sizes, is_one, known_eq
 
 _POINTWISE = ("ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "add", "sub", "mul", "div", "neg",
               "unary", "where", "masked_fill", "dropout")
@@ -63,6 +64,7 @@ class JaggedRewrite(GraphPass):
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         saved = copy_graph(gm.graph)
+        hoist_sizes(gm)  # a dynamic graph's x.shape reads would keep the dense x alive
         spelled = row_spellings.normalise(gm)  # conv1x1 -> linear, ...: undone with the rest on a fallback
         info = analyse(gm)  # fresh layouts: earlier passes added nodes
         if info is None:
@@ -139,7 +141,8 @@ class _Rewriter:
         self.dense = dense or {}  # node name -> why it has no jagged form
         self.outputs_free = outputs_free
         self.layouts = info.layouts
-        self.B, self.N = info.batch, info.seq_len
+        self.B, self.N = info.batch, info.seq_len  # ints, or SymInts after a shape change: compare with
+        self._sizes = SizeArgs(gm)                  # symbolic.known_eq, emit through self._size
         self.jagged: dict[fx.Node, fx.Node] = {}
         self.packed: dict[fx.Node, fx.Node] = {}
         self.notes: list[tuple[fx.Node, str]] = []
@@ -153,10 +156,17 @@ class _Rewriter:
             self.notes.append((by_name.get(name), f"{name} stays dense: {reason}"))
         self._shrink()
 
+    def _size(self, s):
+        """A size as a graph argument (an int, or a node computing the symbol from an input)."""
+        try:
+            return self._sizes(s)
+        except Unresolved as e:
+            raise Unsupported(f"{e}: the jagged form would need it as a graph value") from None
+
     # ---------------------------------------------------------------- region
     def _heavy(self, n: fx.Node) -> bool:
         layout, shape = self.layouts.get(n), shape_of(n)
-        return any(shape[a] > 1 for a in _features(layout))
+        return any(gt_one(shape[a]) for a in _features(layout))
 
     def _select(self) -> list[fx.Node]:
         region: list[fx.Node] = []
@@ -172,7 +182,7 @@ class _Rewriter:
                 pass
             elif not (isinstance(layout, Token) and layout.batch is not None and layout.seq is not None):
                 continue
-            elif shape_of(n)[layout.batch] != self.B or not (self._heavy(n) or fed):
+            elif not known_eq(shape_of(n)[layout.batch], self.B) or not (self._heavy(n) or fed):
                 continue
             elif op == "matmul" and self.layouts.get(n.args[1]) is not None:
                 continue
@@ -251,14 +261,15 @@ class _Rewriter:
         with g.inserting_after(valid):
             self.index = g.call_function(torch.ops.grcompile.pack_index.default, (valid,))
         with g.inserting_after(self.index):
-            self.positions = g.call_function(operator.mod, (self.index, self.N))
+            self.positions = g.call_function(operator.mod, (self.index, self._size(self.N)))
         with g.inserting_after(self.positions):
-            self.rows = g.call_function(operator.floordiv, (self.index, self.N))
+            self.rows = g.call_function(operator.floordiv, (self.index, self._size(self.N)))
         with g.inserting_after(self.rows):
             self.offsets = g.call_function(valid_to_offsets, (valid,))
         if list(g.nodes).index(self.offsets) > list(g.nodes).index(first):
             raise Unsupported("the validity mask is computed after the first row-wise op", first)
-        self.exits = ExitEmitter(g, valid, self.index, self.rows, self.B, self.N, self.offsets)
+        self.exits = ExitEmitter(g, valid, self.index, self.rows, self._size(self.B), self._size(self.N),
+                                 self.offsets, size=self._size)
         done = []
         for n in self.region:
             with g.inserting_before(n):
@@ -318,7 +329,8 @@ class _Rewriter:
     def _unpack(self, n: fx.Node, layout: Token) -> fx.Node:
         g = self.g
         with g.inserting_after(self.jagged[n]):
-            dense = g.call_function(jagged_to_dense, (self.jagged[n], self.index, self.B, self.N))
+            dense = g.call_function(jagged_to_dense, (self.jagged[n], self.index, self._size(self.B),
+                                                      self._size(self.N)))
         order = _token_axes(layout) + _features(layout)
         if order != list(range(len(order))):
             inverse = [order.index(a) for a in range(len(order))]
@@ -344,18 +356,19 @@ class _Rewriter:
 
         order = _token_axes(layout) + _features(layout)
         y = emit("method", "permute", x, *order) if order != list(range(len(order))) else x
-        feats = [shape[a] for a in _features(layout)]
         b = shape[layout.batch] if layout.batch is not None else 1
         s = shape[layout.seq] if layout.seq is not None else 1
-        if b == self.B and s == self.N:
+        if known_eq(b, self.B) and known_eq(s, self.N):
             idx = self.index
-        elif b == 1 and s == self.N:
+        elif is_one(b) and known_eq(s, self.N):
             idx = self.positions
-        elif b == self.B and s == 1:
+        elif known_eq(b, self.B) and is_one(s):
             idx = self.rows
         else:
             raise Unsupported(f"cannot pack {x.name} {shape}", x)
-        y = emit("method", "reshape", y, b * s, *feats)
+        # [b?, s?, *features] -> [b·s, *features] without writing a size into the graph
+        if layout.batch is not None and layout.seq is not None:
+            y = emit("method", "flatten", y, 0, 1)
         y = emit("function", operator.getitem, y, idx)
         self.packed[x] = y
         return y
@@ -377,18 +390,18 @@ class _Rewriter:
                 return a
             offset = nd - len(shape)
             drop = [i for i in range(len(shape)) if i + offset in (out_layout.batch, out_layout.seq)]
-            if any(shape[i] != 1 for i in drop):
+            if any(not is_one(shape[i]) for i in drop):
                 raise Unsupported(f"{a.name} {shape} varies along the token axes without a layout", n)
-            if not drop:
-                return a
-            return self.g.call_method("reshape", (a, *[shape[i] for i in range(len(shape)) if i not in drop]))
+            for i in reversed(drop):
+                a = self.g.call_method("squeeze", (a, i))
+            return a
         offset = nd - layout.ndim
         mapped = [f + offset for f in _features(layout)]
         shape = shape_of(a)
         # a broadcast axis of `a` (size 1) that lands on one of the output's token axes is not a
         # feature of the jagged form: squeeze it
         squeeze = [i for i, m in enumerate(mapped) if m in (out_layout.batch, out_layout.seq)]
-        if any(shape[_features(layout)[i]] != 1 for i in squeeze):
+        if any(not is_one(shape[_features(layout)[i]]) for i in squeeze):
             raise Unsupported(f"{a.name} {shape} does not line up with {n.name}'s token axes", n)
         for i in reversed(squeeze):
             value = self.g.call_method("squeeze", (value, 1 + i))
@@ -406,7 +419,7 @@ class _Rewriter:
 
         layout, shape = self.layouts[a], shape_of(a)
         axis = None if out_layout.batch is None else out_layout.batch - (out_layout.ndim - layout.ndim)
-        if layout.batch is not None or axis is None or axis < 0 or axis == layout.seq or shape[axis] == 1:
+        if layout.batch is not None or axis is None or axis < 0 or axis == layout.seq or is_one(shape[axis]):
             return a
         if not tiled_along(a, axis):
             raise Unsupported(f"{a.name} {list(shape)} varies along the rows, which its layout does not follow", a)
@@ -451,7 +464,7 @@ class _Rewriter:
             if dtype is not None:
                 values = g.call_method("to", (values, dtype))
             log = getattr(n.target, "__name__", n.target) == "log_softmax"
-            return g.call_function(segment_softmax, (values, self.rows, self.B, log))
+            return g.call_function(segment_softmax, (values, self.rows, self._size(self.B), log))
         if op in ("normalize", "softmax"):
             index, name, default = (2, "dim", 1) if op == "normalize" else (1, "dim", None)
             d = self._dim(n, arg(n, index, name, default))
@@ -465,7 +478,7 @@ class _Rewriter:
         if op in ("reshape", "expand"):
             out_layout = self.layouts[n]
             shape = shape_of(n)
-            sizes = [shape[a] for a in _features(out_layout)]
+            sizes = [self._size(shape[a]) for a in _features(out_layout)]
             return g.call_method("reshape" if op == "reshape" else "expand", (J(x), -1, *sizes))
         if op == "unsqueeze":
             d = arg(n, 1, "dim")
@@ -531,5 +544,5 @@ class _Rewriter:
         return g.call_function(torch.ops.grcompile.jagged_attention.default,
                                (qj, kj, vj, self.offsets, self.positions, qs, ks, list(tables), seed),
                                {"score_mod": opts["score_mod"], "use_qk": q is not None, "activation": activation,
-                                "scale": 1.0, "out_scale": 1.0, "causal": opts["causal"], "max_len": self.N,
+                                "scale": 1.0, "out_scale": 1.0, "causal": opts["causal"], "max_len": self._size(self.N),
                                 "dropout_p": opts["dropout_p"]})

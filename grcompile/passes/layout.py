@@ -11,13 +11,13 @@ cannot confuse them. An unknown op yields ``None``: the safe answer.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch.fx as fx
 
-from .op_semantics import arg, canonical, einsum_parts, shape_of
+from .op_semantics import arg, canonical, einsum_parts, example, shape_of
+from .symbolic import is_one, known_eq, known_ge, prod
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def combine_pointwise(inputs: list[tuple[Layout, tuple[int, ...] | None]], out_n
         if isinstance(layout, TupleOf):
             return None
         offset = out_ndim - layout.ndim
-        if layout.batch is not None and shape is not None and shape[layout.batch] != 1:
+        if layout.batch is not None and shape is not None and not is_one(shape[layout.batch]):
             batch.add(layout.batch + offset)
         if isinstance(layout, Token):
             if layout.seq is not None:
@@ -124,9 +124,9 @@ def _reshape_map(src: tuple[int, ...], dst: tuple[int, ...]) -> Callable[[int], 
     """Axis ``a`` of ``src`` survives a reshape to ``dst`` iff some ``dst`` axis has the same size
     and the same number of elements before it (so no merge or split touches it)."""
     def mapping(a: int) -> int | None:
-        before, size = math.prod(src[:a]), src[a]
+        before, size = prod(src[:a]), src[a]
         for b in range(len(dst)):
-            if dst[b] == size and math.prod(dst[:b]) == before:
+            if known_eq(dst[b], size) and known_eq(prod(dst[:b]), before):
                 return b
         return None
     return mapping
@@ -150,8 +150,9 @@ def _getitem(layout: Token | Pair, index: Any, in_shape: tuple[int, ...], out_nd
             mapping[src] = None
             src += 1
         elif isinstance(item, slice):
+            stop = example(item.stop)  # an int, or the SymInt of a node (x[:, :N] with symbolic N)
             full = item.step in (None, 1) and item.start in (None, 0) and (
-                item.stop is None or (isinstance(item.stop, int) and item.stop >= in_shape[src]))
+                item.stop is None or known_ge(stop, in_shape[src]))
             mapping[src] = dst if full else -1  # -1: a token axis sliced => sequence shift
             src, dst = src + 1, dst + 1
         else:
@@ -181,7 +182,7 @@ def _repeat(node: fx.Node, op: str, layout: Layout, in_shape: tuple[int, ...], n
         if not isinstance(repeats, int) or not isinstance(dim, int):
             return None  # per-element repeats, or a flattening repeat_interleave
         tiled = {_norm_dim(dim, len(in_shape))} if repeats != 1 else set()
-    if any(in_shape[a] != 1 for a in layout.axes().values() if a in tiled):
+    if any(not is_one(in_shape[a]) for a in layout.axes().values() if a in tiled):
         return None
     return _shift(layout, lambda a: a + nd - len(in_shape), nd)
 
@@ -252,7 +253,7 @@ def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
         if d is None or not isinstance(d, int):
             return None
         d = _norm_dim(d, len(in_shape))
-        return None if _touches(lx, {d}) and in_shape[d] != 1 else _shift(lx, lambda a: None if a == d else a - (a > d), nd)
+        return None if _touches(lx, {d}) and not is_one(in_shape[d]) else _shift(lx, lambda a: None if a == d else a - (a > d), nd)
     if op == "reshape":
         return _shift(lx, _reshape_map(in_shape, out_shape), nd)
     if op == "expand":
@@ -322,7 +323,7 @@ def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
         if isinstance(lx, Pair):
             return lx
         if isinstance(lx, Token) and lx.seq in (nd - 2, nd - 1) and lx.batch not in (nd - 2, nd - 1) and \
-                in_shape[-2] == in_shape[-1]:
+                known_eq(in_shape[-2], in_shape[-1]):
             return Pair(lx.batch, nd - 2, nd - 1, nd)  # a per-token mask expanded over queries, then triangular
         # tril(ones(N, N)): a positional mask; its two trailing axes are (query, key)
         return Pair(None, nd - 2, nd - 1, nd) if lx is None and nd >= 2 else None

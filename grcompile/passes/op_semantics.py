@@ -14,6 +14,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .symbolic import static_int
+
 _FUNCTIONS: dict[Any, str] = {}
 _METHODS: dict[str, str] = {}
 
@@ -150,13 +152,13 @@ def einsum_parts(node: fx.Node) -> tuple[list[str], str, tuple] | None:
     return specs, out, operands
 
 
-def shape_of(value: Any) -> tuple[int, ...] | None:
+def shape_of(value: Any) -> tuple[int | torch.SymInt, ...] | None:
+    """The example tensor's sizes: ints where static, ``torch.SymInt`` where Dynamo traced a symbol
+    (batch / sequence axes after a shape change). Compare them with ``symbolic.known_eq`` /
+    ``is_one`` (never ``==``, ``int()`` or ``bool()``: those guard, and the graph would specialise)."""
     ex = example(value)
     if isinstance(ex, torch.Tensor):
-        try:
-            return tuple(int(s) for s in ex.shape)
-        except TypeError:  # symbolic sizes
-            return None
+        return tuple(s if (v := static_int(s)) is None else v for s in ex.shape)
     return None
 
 

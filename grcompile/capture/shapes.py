@@ -1,0 +1,209 @@
+"""Shape policy: one static compile, then one compile symbolic in the batch and sequence axes.
+
+Real training changes ``B`` (the last batch of an epoch, evaluation batches) and ``N`` (loaders
+that pad to each batch's longest row) all the time. Dynamo's defaults compile per new shape
+(its automatic-dynamic recompile marks only the axes that changed *so far*: B and N changing at
+different steps cost two recompiles, a batch of 1 a third) and run eagerly after 8 compiles.
+
+What grcompile does instead, scoped to calls of the optimized model:
+
+1. The first call compiles statically (fixed-shape workloads keep fully specialised code).
+   While compiling, the backend asks the padding analysis which input axes are rows and which
+   are positions (``learn``): axes tied to the validity mask by dataflow, not by their sizes.
+2. The first call whose input shapes differ marks, on that call's tensors, every row axis
+   *unbacked* (``mark_unbacked``: no 0/1 specialisation, so batches of 1 reuse the graph, and no
+   size hints, so inductor adds no ``B·N <= 4096``-style guards) and every position axis backed
+   dynamic (``maybe_mark_dynamic``), plus any other axis that changed. Dynamo recompiles once;
+   later calls keep the same marks and hit that graph for any B, any N >= 2 and any length mix.
+3. Duck sizing is off inside our calls (``use_duck_shape=False``): a ``[B, R]`` input with
+   ``R == N`` at the moment of the recompile does not get N's symbol (it would be guarded equal).
+
+Why positions stay backed: unbacked positions make library code break the graph
+(``nn.MultiheadAttention`` views with ``-1`` and tests ``N == 0``: measured, 2 graph breaks),
+and ``backed_size_oblivious`` (which would cover N = 1 too) makes inductor specialise N again in
+the backward (measured: a static size reappears in ``bmm``'s backward). So a batch with N = 1
+(every row of length <= 1) compiles once more, specialised to N = 1; the report says so.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+__all__ = ["ShapePolicy"]
+
+ROWS, POSITIONS = "rows", "positions"
+# ops whose output size depends on data (nonzero, a user's fbgemm dense_to_jagged) stay in the graph
+# with an unbacked size instead of breaking it: the graph after such an op would otherwise be
+# recompiled for every new size (every length mix)
+_CAPTURE_DYNAMIC_OUTPUTS = torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+
+
+def _flat_tensors(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor in the call's arguments, in a stable order."""
+    leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
+    out = []
+    for path, leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            out.append((_path_name(path), leaf))
+    return out
+
+
+def _dynamo_reason() -> str:
+    """The guard failure Dynamo recorded for the compile in progress ("" when none)."""
+    try:
+        metrics = torch._dynamo.utils.get_metrics_context()._metrics  # noqa: SLF001 - read-only
+    except Exception:  # noqa: BLE001 - an internal of Dynamo's: the reason is optional
+        return ""
+    reason = metrics.get("recompile_reason") if isinstance(metrics, dict) else None
+    return " ".join(str(reason).split())[:300] if reason else ""
+
+
+def _source_name(source: str) -> str:
+    """Dynamo's ``L['ids']`` / ``L['batch']['ids']`` as the user spells it: ``ids`` / ``batch['ids']``."""
+    import re
+
+    m = re.fullmatch(r"L\['([^']+)'\](.*)", source)
+    return m.group(1) + m.group(2) if m else source
+
+
+def _path_name(path: tuple) -> str:
+    """``args[0]`` / ``kwargs['ids']`` / ``args[1]['mask']`` for a pytree key path."""
+    parts = [str(getattr(k, "idx", getattr(k, "key", k))) for k in path]
+    if not parts:
+        return "input"
+    head = "args" if parts[0] == "0" else "kwargs"
+    rest = parts[1:]
+    if head == "kwargs" and rest:
+        return rest[0] + "".join(f"[{p!r}]" if not p.isdigit() else f"[{p}]" for p in rest[1:])
+    return head + "".join(f"[{p}]" for p in rest)
+
+
+@dataclass
+class ShapePolicy:
+    """Per optimized model: which call compiled statically, which input axes are rows /
+    positions, and whether later calls mark them symbolic."""
+
+    enabled: bool = True
+    first: tuple | None = None          # input shapes of the call that compiled first
+    roles: dict[int, dict[int, str]] = field(default_factory=dict)  # flat input index -> {dim: role}
+    names: dict[int, str] = field(default_factory=dict)             # flat input index -> readable name
+    dynamic: bool = False               # the token axes are marked symbolic on every call
+    _call: list[tuple[str, torch.Tensor]] | None = None             # the call in progress
+    _change: str = ""                   # what changed in the call in progress (for the report)
+
+    # ------------------------------------------------------------------ around each call
+    @contextlib.contextmanager
+    def call(self, state: Any, args: tuple, kwargs: dict) -> Iterator[None]:
+        flat = _flat_tensors(args, kwargs)
+        shapes = tuple(tuple(t.shape) for _, t in flat)
+        self._call, self._change = flat, ""
+        compiles = state.compiles
+        if self.enabled and self.first is not None and shapes != self.first:
+            if not self.dynamic:
+                self._change = self._describe_change(flat)
+                self.dynamic = True
+            self._mark(flat)
+        elif self.enabled and self.dynamic:
+            self._mark(flat)
+        try:
+            from torch.fx.experimental import _config as fx_config
+
+            with fx_config.patch(use_duck_shape=False), _CAPTURE_DYNAMIC_OUTPUTS:
+                yield
+        finally:
+            if self.first is None and state.compiles > compiles:
+                self.first = shapes
+            self._call = None
+
+    def _mark(self, flat: list[tuple[str, torch.Tensor]]) -> None:
+        for i, (_, t) in enumerate(flat):
+            for dim, role in self.roles.get(i, {}).items():
+                if dim >= t.dim():
+                    continue
+                if role == ROWS:
+                    torch._dynamo.decorators.mark_unbacked(t, dim)
+                else:
+                    torch._dynamo.maybe_mark_dynamic(t, dim)
+            if self.first is not None and i < len(self.first):  # any other axis that changed
+                before = self.first[i]
+                for dim in range(min(len(before), t.dim())):
+                    if before[dim] != t.shape[dim] and dim not in self.roles.get(i, {}):
+                        torch._dynamo.maybe_mark_dynamic(t, dim)
+
+    def _describe_change(self, flat: list[tuple[str, torch.Tensor]]) -> str:
+        changed = [f"{self.names.get(i, name)} {list(self.first[i])} -> {list(t.shape)}" for i, (name, t) in enumerate(flat)
+                   if i < len(self.first) and tuple(t.shape) != self.first[i]]
+        return "input shapes changed (" + ", ".join(changed) + ")"
+
+    # ------------------------------------------------------------------ from the backend
+    def learn(self, gm: fx.GraphModule) -> None:
+        """Record which inputs of the call in progress carry row / position axes of ``gm``
+        (placeholders whose example is one of the call's tensors, by identity). Graphs of one
+        call (graph breaks) add to what earlier ones found."""
+        if self._call is None:
+            return
+        from ..passes.detect_padding import analyse  # analysis only: the graph is not changed
+
+        try:
+            info = analyse(gm)
+        except Exception:  # noqa: BLE001 - no roles: Dynamo's own automatic dynamic still applies
+            return
+        if info is None:
+            return
+        by_id = {id(t): i for i, (_, t) in enumerate(self._call)}
+        for node, layout in info.layouts.items():
+            if node.op != "placeholder" or layout is None or not hasattr(layout, "seq"):
+                continue
+            grapharg = node.meta.get("grapharg")
+            example = getattr(grapharg, "example", None) if grapharg is not None else None
+            i = by_id.get(id(example)) if isinstance(example, torch.Tensor) else None
+            if i is None or i in self.roles:
+                continue
+            dims = {}
+            if layout.batch is not None:
+                dims[layout.batch] = ROWS
+            if layout.seq is not None:
+                dims[layout.seq] = POSITIONS
+            if dims:
+                self.roles[i] = dims
+                source = getattr(getattr(grapharg, "source", None), "name", None)
+                self.names[i] = _source_name(source) if isinstance(source, str) else self._call[i][0]
+
+    def recompile_reason(self, graph_index: int) -> dict[str, Any] | None:
+        """The report entry for a compile after the first: why it happened (what changed, and the
+        guard of Dynamo's that failed, when Dynamo recorded one)."""
+        if graph_index == 0 or self._call is None:
+            return None
+        guard = _dynamo_reason()
+        if self._change:
+            axes = self.describe_roles()
+            reason = (f"{self._change}: compiled once more with "
+                      + (axes if axes else "the changed axes dynamic (no row / position axes known)"))
+        else:
+            small = [f"{self.names.get(i, name)} dim {d} = {t.shape[d]}" for i, (name, t) in enumerate(self._call)
+                     for d, role in self.roles.get(i, {}).items() if role == POSITIONS and d < t.dim()
+                     and t.shape[d] < 3]
+            shapes = ", ".join(f"{self.names.get(i, name)} {list(t.shape)}" for i, (name, t) in enumerate(self._call))
+            reason = f"inputs ({shapes}) not covered by the graphs compiled so far"
+            if small:
+                reason += (f"; positions of size {', '.join(small)}: Dynamo specialises a backed size (or one the "
+                           "model derives from it, such as N - 1) that is 0 or 1, so such a batch gets its own graph")
+        if guard:
+            reason += f" [Dynamo: {guard}]"
+        return {"graph": graph_index, "reason": reason}
+
+    def describe_roles(self) -> str:
+        rows = [f"{self.names[i]} dim {d}" for i in sorted(self.roles) for d, r in self.roles[i].items() if r == ROWS]
+        pos = [f"{self.names[i]} dim {d}" for i in sorted(self.roles) for d, r in self.roles[i].items()
+               if r == POSITIONS]
+        parts = []
+        if rows:
+            parts.append("rows (" + ", ".join(rows) + ") unbacked-symbolic")
+        if pos:
+            parts.append("positions (" + ", ".join(pos) + ") symbolic")
+        return " and ".join(parts)
