@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -346,16 +347,55 @@ def restore(gm: fx.GraphModule, expansion: Expansion) -> None:
     expansion.result.replace_all_uses_with(expansion.output)
 
 
+_DEFERRED_WARNINGS: list[str] = []
+_TORCH_CANONICAL_MASK = F._canonical_mask
+
+
+def _canonical_mask_deferred(mask, mask_name, other_type, other_name, target_type, check_other=True):
+    """``F._canonical_mask`` (torch 2.13), except that its deprecation warning about mismatched mask
+    types is recorded instead of issued: Dynamo cannot trace ``warnings.warn`` inside torch's
+    modules and breaks the graph there. ``python_attention_paths`` issues it after the call."""
+    if mask is not None:
+        mask_is_float = torch.is_floating_point(mask)
+        if mask.dtype != torch.bool and not mask_is_float:
+            raise AssertionError(f"only bool and floating types of {mask_name} are supported")
+        if check_other and other_type is not None and mask.dtype != other_type:
+            _DEFERRED_WARNINGS.append(f"Support for mismatched {mask_name} and {other_name} is deprecated. "
+                                      "Use same type for both instead.")
+        if not mask_is_float:
+            mask = torch.zeros_like(mask, dtype=target_type).masked_fill_(mask, float("-inf"))
+    return mask
+
+
+def _same_signature(a, b) -> bool:
+    return a.__code__.co_varnames[:a.__code__.co_argcount] == b.__code__.co_varnames[:b.__code__.co_argcount]
+
+
 @contextmanager
 def python_attention_paths() -> Iterator[None]:
-    """Switch off the native fast paths of ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer``
-    (``torch._native_multi_head_attention``, ``torch._transformer_encoder_layer_fwd``: opaque ops
-    taken in eval mode under ``no_grad``) for the scope of one call, so that Dynamo records their
-    Python path, which computes the same values and which the passes can fuse. Dynamo guards on
-    the flag, so it must hold on every call, not only while compiling."""
+    """For the scope of one call of an optimized model:
+
+    * switch off the native fast paths of ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer``
+      (``torch._native_multi_head_attention``, ``torch._transformer_encoder_layer_fwd``: opaque ops
+      taken in eval mode under ``no_grad``), so that Dynamo records their Python path, which
+      computes the same values and which the passes can fuse. Dynamo guards on the flag, so it
+      must hold on every call, not only while compiling;
+    * defer torch's warning about a float mask beside a bool key padding mask (the usual pair:
+      ``generate_square_subsequent_mask`` with ``src_key_padding_mask=ids == pad``): issued inside
+      ``nn.TransformerEncoder`` / ``nn.MultiheadAttention``, it is a graph break at which the whole
+      encoder ran eagerly. The same warning is issued after the call."""
     flag = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
+    patch = F._canonical_mask is _TORCH_CANONICAL_MASK and _same_signature(F._canonical_mask, _canonical_mask_deferred)
+    if patch:
+        F._canonical_mask = _canonical_mask_deferred
     try:
         yield
     finally:
         torch.backends.mha.set_fastpath_enabled(flag)
+        if patch:
+            F._canonical_mask = _TORCH_CANONICAL_MASK
+        pending = list(dict.fromkeys(_DEFERRED_WARNINGS))
+        _DEFERRED_WARNINGS.clear()
+        for message in pending:
+            warnings.warn(message, UserWarning, stacklevel=3)
