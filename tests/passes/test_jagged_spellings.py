@@ -385,7 +385,41 @@ def test_row_varying_operand_is_not_packed_from_one_row():
     torch.manual_seed(10)
     model = RowVarying().double()
     _, report = check(model, (make_ids([0, 1, N, 3], "holes"),), tokens(lambda ids: ids != 0))
-    assert any("varies along the rows" in r for r in jagged_fallbacks(report)), jagged_fallbacks(report)
+    assert any("flip" in r or "varies along the rows" in r for r in jagged_fallbacks(report)), \
+        jagged_fallbacks(report)
+
+
+def test_tiled_along_follows_the_values():
+    """The check behind packing one row for all: tiled by expand / repeat of a size-1 axis and
+    what embeddings and pointwise ops compute from such; not a flip or any unknown op."""
+    from grcompile.passes.jagged_region import tiled_along
+
+    class F_(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(V, D))
+
+        def forward(self, ids):
+            pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+            tiled = F.embedding(pos, self.table) * 2.0 + 1.0
+            mixed = tiled + F.embedding(ids.flip(0), self.table)
+            repeated = torch.arange(ids.shape[1])[None, :, None].repeat(ids.shape[0], 1, D)
+            return pos, tiled, mixed, repeated, ids.flip(0)
+
+    gm = torch.fx.symbolic_trace(F_())
+
+    class Record(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            n.meta["example_value"] = out
+            return out
+
+    Record(gm).run(make_ids([3, 0, N, 5]))
+    out = {n.name: n for n in gm.graph.nodes}["output"].args[0]
+    pos, tiled, mixed, repeated, flipped = out
+    assert tiled_along(pos, 0) and tiled_along(tiled, 0) and tiled_along(repeated, 0)
+    assert not tiled_along(mixed, 0) and not tiled_along(flipped, 0)
+    assert not tiled_along(pos, 1)  # positions differ along the sequence
 
 
 # ------------------------------------------------------------------ random length mixes
