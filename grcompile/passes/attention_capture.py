@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from .layout import Pair, Token
 from .op_semantics import arg, canonical, evaluate, example, shape_of
+from .symbolic import is_one, is_symbolic, known_eq
 
 MASKED_LOGIT = -1.0e4  # a softmax logit at or below this is treated as masked (exp underflows in fp32)
 
@@ -65,7 +66,7 @@ class Capture:
 def _frame_axes(node: fx.Node, layout: Pair) -> dict[str, int | None]:
     """Which axis of ``node`` plays b / h / i / j (h: the one other axis of size > 1)."""
     shape = shape_of(node)
-    others = [a for a in range(layout.ndim) if a not in (layout.batch, layout.q, layout.k) and shape[a] != 1]
+    others = [a for a in range(layout.ndim) if a not in (layout.batch, layout.q, layout.k) and not is_one(shape[a])]
     if len(others) > 1:
         raise Unsupported(f"score tensor {node.name} has more than one head-like axis {shape}", node)
     return {"b": layout.batch, "h": others[0] if others else None, "i": layout.q, "j": layout.k}
@@ -225,11 +226,17 @@ def _is_broadcast_index(index: Any) -> bool:
 def _is_arange(node: fx.Node, N: int) -> bool:
     while canonical(node) in _SHAPE_ONLY or (canonical(node) == "getitem" and _is_broadcast_index(node.args[1])):
         node = node.args[0]
-    return canonical(node) == "arange" and len(node.args) == 1 and node.args[0] == N and not (
+    return canonical(node) == "arange" and len(node.args) == 1 and known_eq(example(node.args[0]), N) and not (
         set(node.kwargs) - {"device", "dtype", "layout", "pin_memory", "requires_grad"})
 
 
 _FACTORY_FILL = {"ones": 1, "zeros": 0, "ones_like": 1, "zeros_like": 0}
+
+
+def is_size_scalar(a: fx.Node) -> bool:
+    """A SymInt / SymFloat node (a size of a dynamic graph, or arithmetic on one): the op receives
+    it as a 0-d tensor, so the score_mod is the same for every N (a baked int would not be)."""
+    return isinstance(example(a), (torch.SymInt, torch.SymFloat))
 
 
 def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int) -> Capture:
@@ -272,6 +279,9 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
                 role = _role(a, n, layouts)
                 if (a, role) not in sides:
                     sides.append((a, role))
+            elif kind == "free" and is_size_scalar(a):  # a symbolic size (``/ N`` of a dynamic graph)
+                if a not in tables:
+                    tables.append(a)
             elif kind == "free" and a.op == "placeholder":
                 if not (canonical(n) == "getitem" and n.args[0] is a):
                     raise Unsupported(f"{a.name} enters the attention scores other than as a bias table", n)
@@ -377,26 +387,102 @@ def collect_from(top: fx.Node, layouts: dict) -> tuple[list[fx.Node], dict[fx.No
     return sorted(region, key=order.__getitem__), leaves
 
 
+def _opaque(_value: Any) -> Any:
+    """A position-derived value the proof does not follow (see ``_proof_frame``)."""
+    return ANY
+
+
+_COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
+
+
+def _proof_frame(mod: fx.GraphModule, N: Any) -> tuple[fx.GraphModule, int]:
+    """The score_mod to prove on, and the N to enumerate positions on.
+
+    A static N: ``mod`` itself on every (i, j) of ``[0, N)²`` — exhaustive, so a proof.
+    A symbolic N (the graph serves every N): the mask is pointwise in (i, j, valid_i, valid_j)
+    and built from ``arange`` / ``tril`` of N, so what a pair sees does not depend on N itself —
+    only on predicates of the positions. Where positions enter only *linear forms*
+    ``a·i + b·j + c`` (a, b in {-1, 0, 1}, an int c: ``k_pos - q_pos``, ``tril(diagonal=d)``) that
+    are compared with each other or with int constants, or index a table (whose values the proof
+    never reads), every pair of any N has a twin in ``[0, 2K + 5)²`` with the same truth value of
+    every predicate (K: the largest |c|): i' = min(i, K + 2), then j' = i' + min(j - i, K + 2)
+    keeps i, j, j - i and i + j on the same side of every constant (and equal below it). So
+    enumerating ``[0, 2K + 5)`` proves the obligations for every N. Any other use of a position
+    (a cast, a product: an ALiBi slope, a comparison with N) is replaced by ANY in the copy
+    proved on: sound, and nothing is concluded from it."""
+    if not is_symbolic(N):
+        return mod, N
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    g.output(g.graph_copy(mod.graph, env))
+    forms: dict[fx.Node, tuple[int, int, int]] = {}
+    for n in g.nodes:
+        if n.op == "placeholder" and n.name in ("q_pos", "k_pos"):
+            forms[n] = (1, 0, 0) if n.name == "q_pos" else (0, 1, 0)
+    tables = {n for n in g.nodes if n.op == "placeholder" and n.name.startswith("table_")}
+    K = 0
+
+    def form(a: Any) -> tuple[int, int, int] | None:
+        if isinstance(a, fx.Node):
+            return forms.get(a)
+        return (0, 0, a) if isinstance(a, int) and not isinstance(a, bool) else None
+
+    def linear(op: str, args: tuple) -> tuple[int, int, int] | None:
+        parts = [form(a) for a in args[:2]]
+        if op == "neg" and parts[0] is not None:
+            f = tuple(-x for x in parts[0])
+        elif op in ("add", "sub", *_COMPARE) and len(args) >= 2 and None not in parts:
+            sign = 1 if op == "add" else -1
+            f = tuple(x + sign * y for x, y in zip(*parts))
+        else:
+            return None
+        return f if f[0] in (-1, 0, 1) and f[1] in (-1, 0, 1) else None
+
+    for n in list(g.nodes):
+        if n.op not in ("call_function", "call_method"):
+            continue
+        positional = [a for a in n.all_input_nodes if a in forms]
+        if not positional:
+            continue
+        op = canonical(n)
+        f = linear(op, n.args) if not n.kwargs else None
+        if f is not None:
+            K = max(K, abs(f[2]))
+            if op not in _COMPARE:
+                forms[n] = f  # a position form; a comparison of forms is a predicate: free to use
+            continue
+        if op == "getitem" and n.args[0] in tables:
+            continue  # a table lookup at a position: the proof reads no table value
+        for a in positional:
+            with g.inserting_before(n):
+                hidden = g.call_function(_opaque, (a,))
+            n.replace_input_with(a, hidden)
+    return fx.GraphModule(torch.nn.Module(), g, class_name="ProofMod"), 2 * K + 5
+
+
 def prove(cap: Capture, validity: set[fx.Node], N: int, padding: set[fx.Node] = frozenset()) -> bool:
     """Check the exactness obligations; returns whether ``causal=True`` is proved.
 
-    Raises ``Unsupported`` if a padded key may contribute (then the fused op would differ)."""
+    Raises ``Unsupported`` if a padded key may contribute (then the fused op would differ).
+    With a symbolic N the positions are enumerated on ``_proof_frame``'s range (a proof for
+    every N)."""
     padding = set(padding)
+    mod, N = _proof_frame(cap.score_mod, N)
 
     def inputs(q_pos, k_pos, q_valid, k_valid):
         sides = [side_value(s.node, q_valid if s.role == "q" else k_valid, validity, padding) for s in cap.sides]
         return [ANY, q_pos, k_pos, *sides, *[ANY] * len(cap.tables)]
 
     true, false = torch.tensor(True), torch.tensor(False)
-    padded_key = abstract_eval(cap.score_mod, inputs(ANY, ANY, true, false))
+    padded_key = abstract_eval(mod, inputs(ANY, ANY, true, false))
     if not is_masked(padded_key, cap.normalize):
         raise Unsupported("cannot prove that padded keys are masked out of the attention (mask the scores "
                           "with the validity of the keys)", cap.score)
     i, j = torch.triu_indices(N, N, offset=1)
-    future = abstract_eval(cap.score_mod, inputs(i, j, true, true))
+    future = abstract_eval(mod, inputs(i, j, true, true))
     causal = is_masked(future, cap.normalize)
     if cap.normalize == "softmax":
         diag = torch.arange(N)
-        if is_masked(abstract_eval(cap.score_mod, inputs(diag, diag, true, true)), "softmax"):
+        if is_masked(abstract_eval(mod, inputs(diag, diag, true, true)), "softmax"):
             raise Unsupported("a valid query may have every key masked (softmax over an empty set)", cap.score)
     return causal

@@ -26,49 +26,52 @@ import torch.fx as fx
 from ..capture.pass_manager import GraphPass, PassContext
 from ..lowering.score_mod import register_score_mod
 from ..lowering.score_mod_attention import score_mod_attention  # noqa: F401 (registers the op)
-from .attention_capture import Unsupported, capture, prove
+from .attention_capture import Unsupported, capture, is_size_scalar, prove
 from .detect_padding import PADDING, analyse
 from .layout import Pair, Token
-from .op_semantics import canonical, einsum_parts, shape_of
+from .op_semantics import canonical, einsum_parts, example, shape_of
+from .symbolic import hoist_sizes, is_one
 
 
 def _to_bnhd(g: fx.Graph, x: fx.Node, layout: Token, seq: int, feature: int) -> fx.Node:
-    """Emit ``x`` permuted to ``[B, N, H, d]`` (a head axis of 1 is added when there is none)."""
+    """Emit ``x`` permuted to ``[B, N, H, d]`` (a head axis of 1 is added when there is none).
+    No size is written into the graph (B and N may be symbolic): size-1 axes are squeezed."""
     shape = shape_of(x)
     nd = len(shape)
     if layout.batch is None:
         raise Unsupported(f"{x.name} is not batched")
     heads = [a for a in range(nd) if a not in (layout.batch, seq, feature)]
     if len(heads) > 1:
-        if sum(shape[a] != 1 for a in heads) > 1:
+        if sum(not is_one(shape[a]) for a in heads) > 1:
             raise Unsupported(f"{x.name} {shape} has more than one head axis")
-        heads = [a for a in heads if shape[a] != 1][:1] or heads[:1]
+        heads = [a for a in heads if not is_one(shape[a])][:1] or heads[:1]
         # the other size-1 axes are squeezed after the permute
     order = [layout.batch, seq, *heads, feature]
     rest = [a for a in range(nd) if a not in order]
     y = g.call_method("permute", (x, *order, *rest))
-    if rest:
-        y = g.call_method("reshape", (y, *[shape[a] for a in order]))
+    for d in reversed(range(len(order), nd)):
+        y = g.call_method("squeeze", (y, d))
     if not heads:
         y = g.call_method("unsqueeze", (y, 2))
     return y
 
 
-def _side_dense(g: fx.Graph, leaf: fx.Node, layout: Token, B: int, N: int) -> fx.Node:
-    """A per-token side value as a dense ``[B, N]`` tensor (its other axes are size 1)."""
+def _side_dense(g: fx.Graph, leaf: fx.Node, layout: Token, valid: fx.Node) -> fx.Node:
+    """A per-token side value as a dense ``[B, N]`` tensor (its other axes are size 1), expanded
+    like ``valid`` (no size written into the graph)."""
     shape = shape_of(leaf)
-    if any(s != 1 for a, s in enumerate(shape) if a not in (layout.batch, layout.seq)):
+    if any(not is_one(s) for a, s in enumerate(shape) if a not in (layout.batch, layout.seq)):
         raise Unsupported(f"{leaf.name} {shape} carries features; only per-token scalars enter the scores")
     axes = [a for a in (layout.batch, layout.seq) if a is not None]
     rest = [a for a in range(len(shape)) if a not in axes]
     y = g.call_method("permute", (leaf, *axes, *rest)) if axes != list(range(len(axes))) or rest else leaf
-    sizes = [shape[a] for a in axes]
+    for d in reversed(range(len(axes), len(shape))):
+        y = g.call_method("squeeze", (y, d))
     if layout.batch is None:
-        sizes = [1] + sizes
+        y = g.call_method("unsqueeze", (y, 0))
     if layout.seq is None:
-        sizes = sizes + [1]
-    y = g.call_method("reshape", (y, *sizes))
-    return g.call_method("expand", (y, B, N))
+        y = g.call_method("unsqueeze", (y, 1))
+    return g.call_method("expand_as", (y, valid))
 
 
 def _einsum_as_matmul(g: fx.Graph, node: fx.Node) -> fx.Node | None:
@@ -139,6 +142,11 @@ class FuseAttention(GraphPass):
         info = gm.meta.get(PADDING)
         if info is None:
             return
+        if hoist_sizes(gm):  # a dynamic graph's scores.size(-1) would keep the B×N×N scores alive
+            info = analyse(gm)
+            if info is None:
+                return
+            gm.meta[PADDING] = info
         rewritten = _normalise_einsums(gm, info.layouts)
         if rewritten:
             ctx.count("einsum_as_matmul", rewritten)
@@ -179,14 +187,15 @@ class FuseAttention(GraphPass):
                 q = k = None
             vv = _to_bnhd(g, v, lv, lv.seq, nd_v - 1)
             valid = info.validity[0] if info.validity else g.call_function(torch.logical_not, (info.padding[0],))
-            q_sides = [_side_dense(g, s.node, layouts[s.node], B, N) for s in cap.sides if s.role == "q"]
-            k_sides = [_side_dense(g, s.node, layouts[s.node], B, N) for s in cap.sides if s.role == "k"]
+            q_sides = [_side_dense(g, s.node, layouts[s.node], valid) for s in cap.sides if s.role == "q"]
+            k_sides = [_side_dense(g, s.node, layouts[s.node], valid) for s in cap.sides if s.role == "k"]
             seed = None
             if cap.dropout_p > 0:  # a fresh mask seed per call, from the default generator
                 device = getattr(v.meta.get("example_value"), "device", None)
                 seed = g.call_function(torch.randint, (0, 2**31 - 1, (1,)), {"dtype": torch.int64, "device": device})
             out = g.call_function(torch.ops.grcompile.score_mod_attention.default,
-                                  (q, k, vv, valid, q_sides, k_sides, list(cap.tables), seed),
+                                  (q, k, vv, valid, q_sides, k_sides, [_table_arg(g, t, example(v).device)
+                                                                      for t in cap.tables], seed),
                                   {"score_mod": key, "normalize": cap.normalize, "causal": causal,
                                    "dropout_p": cap.dropout_p})
             if node.meta.get("stack_trace"):
@@ -198,11 +207,14 @@ class FuseAttention(GraphPass):
 
 
 def _from_bnhd(g: fx.Graph, out: fx.Node, node: fx.Node, layout: Token) -> fx.Node:
-    """``[B, N, H, dv]`` back to the contraction's own layout."""
+    """``[B, N, H, dv]`` back to the contraction's own layout (size-1 axes unsqueezed back, so no
+    size is written into the graph)."""
     shape = shape_of(node)
     nd = len(shape)
     heads = [a for a in range(nd) if a not in (layout.batch, layout.seq, nd - 1)]
-    big = [a for a in heads if shape[a] != 1]
+    big = [a for a in heads if not is_one(shape[a])]
+    if len(big) > 1:
+        raise Unsupported(f"{node.name} {shape} has more than one head axis")
     head = big[0] if big else None
     # out axes: 0 = B, 1 = N, 2 = H, 3 = dv. Build the user's order, then restore size-1 axes.
     order_roles = {layout.batch: 0, layout.seq: 1, nd - 1: 3}
@@ -215,4 +227,16 @@ def _from_bnhd(g: fx.Graph, out: fx.Node, node: fx.Node, layout: Token) -> fx.No
         y = g.call_method("permute", (out, *[perm_src[order_roles[a]] for a in kept]))
     else:
         y = g.call_method("permute", (out, *[order_roles[a] for a in kept]))
-    return g.call_method("reshape", (y, *shape))
+    for a in range(nd):
+        if a not in order_roles:
+            y = g.call_method("unsqueeze", (y, a))
+    return y
+
+
+def _table_arg(g: fx.Graph, table: fx.Node, device) -> fx.Node:
+    """A table as is; a symbolic size (``/ N`` of a dynamic graph) as a 0-d tensor, so the
+    score_mod reads N at run time (the same score_mod for every N)."""
+    if not is_size_scalar(table):
+        return table
+    dtype = torch.int64 if isinstance(example(table), torch.SymInt) else torch.float64
+    return g.call_function(torch.scalar_tensor, (table,), {"dtype": dtype, "device": device})

@@ -1,6 +1,6 @@
 # grcompile graph 0: fuse_attention
 # after pass 3/5 'fuse_attention'
-# 1 rewrite(s); nodes 89 -> 76
+# 1 rewrite(s); nodes 89 -> 75
 # counters: fuse_attention.score_mod_attention=1
 #   score_mod_attention at hstu.py:37 in forward normalize=none causal=True dropout_p=0.0 bias_tables=2 side_inputs=4 score_mod=captured-0071706ec5bf
 import torch
@@ -94,27 +94,26 @@ class GraphModule(torch.nn.Module):
         permute_1 = transpose_3.permute(0, 3, 1, 2);  transpose_3 = None
         permute_2 = v_1.permute(0, 2, 1, 3);  v_1 = None
         permute_3 = unsqueeze_5.permute(0, 1, 2);  unsqueeze_5 = None
-        reshape_1 = permute_3.reshape(4, 8);  permute_3 = None
-        expand = reshape_1.expand(4, 8);  reshape_1 = None
+        squeeze = permute_3.squeeze(2);  permute_3 = None
+        expand_as = squeeze.expand_as(valid);  squeeze = None
         permute_4 = unsqueeze_10.permute(0, 1, 2);  unsqueeze_10 = None
-        reshape_2 = permute_4.reshape(4, 8);  permute_4 = None
-        expand_1 = reshape_2.expand(4, 8);  reshape_2 = None
+        squeeze_1 = permute_4.squeeze(2);  permute_4 = None
+        expand_as_1 = squeeze_1.expand_as(valid);  squeeze_1 = None
         permute_5 = unsqueeze_6.permute(0, 2, 1);  unsqueeze_6 = None
-        reshape_3 = permute_5.reshape(4, 8);  permute_5 = None
-        expand_2 = reshape_3.expand(4, 8);  reshape_3 = None
+        squeeze_2 = permute_5.squeeze(2);  permute_5 = None
+        expand_as_2 = squeeze_2.expand_as(valid);  squeeze_2 = None
         permute_6 = unsqueeze_9.permute(0, 2, 1);  unsqueeze_9 = None
-        reshape_4 = permute_6.reshape(4, 8);  permute_6 = None
-        expand_3 = reshape_4.expand(4, 8);  reshape_4 = None
+        squeeze_3 = permute_6.squeeze(2);  permute_6 = None
+        expand_as_3 = squeeze_3.expand_as(valid);  squeeze_3 = None
 
         # File: hstu.py:37 in forward, code: out = torch.matmul(attn, v).transpose(1, 2).reshape(B, N, H * dv)
-        score_mod_attention_default = torch.ops.grcompile.score_mod_attention.default(permute, permute_1, permute_2, valid, [expand, expand_1], [expand_2, expand_3], [l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_, l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_], None, score_mod = 'captured-0071706ec5bf', normalize = 'none', causal = True, dropout_p = 0.0);  permute = permute_1 = permute_2 = expand = expand_1 = expand_2 = expand_3 = l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_ = l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_ = None
+        score_mod_attention_default = torch.ops.grcompile.score_mod_attention.default(permute, permute_1, permute_2, valid, [expand_as, expand_as_1], [expand_as_2, expand_as_3], [l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_, l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_], None, score_mod = 'captured-0071706ec5bf', normalize = 'none', causal = True, dropout_p = 0.0);  permute = permute_1 = permute_2 = expand_as = expand_as_1 = expand_as_2 = expand_as_3 = l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_ = l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_ = None
 
         # No stacktrace found for following nodes
         permute_7 = score_mod_attention_default.permute(0, 2, 1, 3);  score_mod_attention_default = None
-        reshape_5 = permute_7.reshape(4, 2, 8, 4);  permute_7 = None
 
         # File: hstu.py:37 in forward, code: out = torch.matmul(attn, v).transpose(1, 2).reshape(B, N, H * dv)
-        transpose_4: "f32[4, 8, 2, 4]" = reshape_5.transpose(1, 2);  reshape_5 = None
+        transpose_4: "f32[4, 8, 2, 4]" = permute_7.transpose(1, 2);  permute_7 = None
         out: "f32[4, 8, 8]" = transpose_4.reshape(4, 8, 8);  transpose_4 = None
 
         # File: hstu.py:39 in forward, code: gated = u * F.layer_norm(out, (H * dv,), eps=1e-6)

@@ -1,7 +1,7 @@
 # grcompile graph 0: jagged_rewrite
 # after pass 4/5 'jagged_rewrite'
-# 6 rewrite(s); nodes 76 -> 98
-# counters: jagged_rewrite.embedding=1, jagged_rewrite.jagged_attention=1, jagged_rewrite.layer_norm=2, jagged_rewrite.linear=2
+# 6 rewrite(s); nodes 75 -> 96
+# counters: jagged_rewrite.embedding=1, jagged_rewrite.exit_dense=1, jagged_rewrite.jagged_attention=1, jagged_rewrite.layer_norm=2, jagged_rewrite.linear=2
 #   embedding at common.py:46 in forward
 #   layer_norm at hstu.py:27 in forward
 #   linear at hstu.py:28 in forward
@@ -29,8 +29,8 @@ class GraphModule(torch.nn.Module):
         pack_index_default = torch.ops.grcompile.pack_index.default(valid)
         mod = pack_index_default % 8
         valid_to_offsets = grcompile_lowering_jagged_valid_to_offsets(valid)
-        reshape_6 = l_ids_.reshape(32)
-        getitem_10 = reshape_6[pack_index_default];  reshape_6 = None
+        flatten = l_ids_.flatten(0, 1)
+        getitem_10 = flatten[pack_index_default];  flatten = None
 
         # File: common.py:45 in forward, code: positions = torch.arange(N, device=ids.device)
         positions: "i64[8]" = torch.arange(8, device = device(type='cpu'))
@@ -48,20 +48,19 @@ class GraphModule(torch.nn.Module):
 
         # No stacktrace found for following nodes
         permute_8 = unsqueeze.permute(1, 0, 2);  unsqueeze = None
-        reshape_7 = permute_8.reshape(8, 1, 8);  permute_8 = None
-        getitem_11 = reshape_7[mod];  reshape_7 = None
-        squeeze = getitem_11.squeeze(1);  getitem_11 = None
+        getitem_11 = permute_8[mod];  permute_8 = None
+        squeeze_4 = getitem_11.squeeze(1);  getitem_11 = None
 
         # File: common.py:50 in forward, code: x = x + self.position_embedding(positions).unsqueeze(0)
-        add_5 = mul_5 + squeeze;  mul_5 = squeeze = None
+        add_5 = mul_5 + squeeze_4;  mul_5 = squeeze_4 = None
 
         # File: common.py:51 in forward, code: x = self.input_dropout(x) * valid.unsqueeze(-1)
         dropout_2 = torch.nn.functional.dropout(add_5, 0.0, True, False);  add_5 = None
         unsqueeze_1: "b8[4, 8, 1]" = valid.unsqueeze(-1)
 
         # No stacktrace found for following nodes
-        reshape_8 = unsqueeze_1.reshape(32, 1);  unsqueeze_1 = None
-        getitem_12 = reshape_8[pack_index_default];  reshape_8 = None
+        flatten_1 = unsqueeze_1.flatten(0, 1);  unsqueeze_1 = None
+        getitem_12 = flatten_1[pack_index_default];  flatten_1 = None
 
         # File: common.py:51 in forward, code: x = self.input_dropout(x) * valid.unsqueeze(-1)
         mul_6 = dropout_2 * getitem_12;  dropout_2 = getitem_12 = None
@@ -79,16 +78,16 @@ class GraphModule(torch.nn.Module):
         getitem_16 = split_1[3];  split_1 = None
 
         # File: hstu.py:29 in forward, code: q = q.view(B, N, H, dqk).transpose(1, 2)
-        reshape_9 = getitem_15.reshape(-1, 2, 4);  getitem_15 = None
-        permute_9 = reshape_9.permute(0, 1, 2);  reshape_9 = None
+        reshape_1 = getitem_15.reshape(-1, 2, 4);  getitem_15 = None
+        permute_9 = reshape_1.permute(0, 1, 2);  reshape_1 = None
 
         # File: hstu.py:30 in forward, code: k = k.view(B, N, H, dqk).transpose(1, 2)
-        reshape_10 = getitem_16.reshape(-1, 2, 4);  getitem_16 = None
-        permute_10 = reshape_10.permute(0, 1, 2);  reshape_10 = None
+        reshape_2 = getitem_16.reshape(-1, 2, 4);  getitem_16 = None
+        permute_10 = reshape_2.permute(0, 1, 2);  reshape_2 = None
 
         # File: hstu.py:31 in forward, code: v = v.view(B, N, H, dv).transpose(1, 2)
-        reshape_11 = getitem_14.reshape(-1, 2, 4);  getitem_14 = None
-        permute_11 = reshape_11.permute(0, 1, 2);  reshape_11 = None
+        reshape_3 = getitem_14.reshape(-1, 2, 4);  getitem_14 = None
+        permute_11 = reshape_3.permute(0, 1, 2);  reshape_3 = None
 
         # File: common.py:100 in forward, code: next_ts = torch.cat([timestamps[:, 1:], timestamps[:, -1:]], dim=1)
         getitem_5: "i64[4, 7]" = l_timestamps_[(slice(None, None, None), slice(1, None, None))]
@@ -120,39 +119,38 @@ class GraphModule(torch.nn.Module):
         permute_14 = permute_12.permute(0, 1, 2);  permute_12 = None
         permute_15 = permute_11.permute(0, 1, 2);  permute_11 = None
         permute_3: "i64[4, 8, 1]" = unsqueeze_5.permute(0, 1, 2);  unsqueeze_5 = None
-        reshape_1: "i64[4, 8]" = permute_3.reshape(4, 8);  permute_3 = None
-        expand: "i64[4, 8]" = reshape_1.expand(4, 8);  reshape_1 = None
-        reshape_12 = expand.reshape(32);  expand = None
-        getitem_17 = reshape_12[pack_index_default];  reshape_12 = None
+        squeeze: "i64[4, 8]" = permute_3.squeeze(2);  permute_3 = None
+        expand_as: "i64[4, 8]" = squeeze.expand_as(valid);  squeeze = None
+        flatten_2 = expand_as.flatten(0, 1);  expand_as = None
+        getitem_17 = flatten_2[pack_index_default];  flatten_2 = None
         permute_4: "b8[4, 8, 1]" = unsqueeze_10.permute(0, 1, 2);  unsqueeze_10 = None
-        reshape_2: "b8[4, 8]" = permute_4.reshape(4, 8);  permute_4 = None
-        expand_1: "b8[4, 8]" = reshape_2.expand(4, 8);  reshape_2 = None
-        reshape_13 = expand_1.reshape(32);  expand_1 = None
-        getitem_18 = reshape_13[pack_index_default];  reshape_13 = None
+        squeeze_1: "b8[4, 8]" = permute_4.squeeze(2);  permute_4 = None
+        expand_as_1: "b8[4, 8]" = squeeze_1.expand_as(valid);  squeeze_1 = None
+        flatten_3 = expand_as_1.flatten(0, 1);  expand_as_1 = None
+        getitem_18 = flatten_3[pack_index_default];  flatten_3 = None
         permute_5: "i64[4, 8, 1]" = unsqueeze_6.permute(0, 2, 1);  unsqueeze_6 = None
-        reshape_3: "i64[4, 8]" = permute_5.reshape(4, 8);  permute_5 = None
-        expand_2: "i64[4, 8]" = reshape_3.expand(4, 8);  reshape_3 = None
-        reshape_14 = expand_2.reshape(32);  expand_2 = None
-        getitem_19 = reshape_14[pack_index_default];  reshape_14 = None
+        squeeze_2: "i64[4, 8]" = permute_5.squeeze(2);  permute_5 = None
+        expand_as_2: "i64[4, 8]" = squeeze_2.expand_as(valid);  squeeze_2 = None
+        flatten_4 = expand_as_2.flatten(0, 1);  expand_as_2 = None
+        getitem_19 = flatten_4[pack_index_default];  flatten_4 = None
         permute_6: "b8[4, 8, 1]" = unsqueeze_9.permute(0, 2, 1);  unsqueeze_9 = None
-        reshape_4: "b8[4, 8]" = permute_6.reshape(4, 8);  permute_6 = None
-        expand_3: "b8[4, 8]" = reshape_4.expand(4, 8);  reshape_4 = None
-        reshape_15 = expand_3.reshape(32);  expand_3 = None
-        getitem_20 = reshape_15[pack_index_default];  reshape_15 = None
+        squeeze_3: "b8[4, 8]" = permute_6.squeeze(2);  permute_6 = None
+        expand_as_3: "b8[4, 8]" = squeeze_3.expand_as(valid);  squeeze_3 = None
+        flatten_5 = expand_as_3.flatten(0, 1);  expand_as_3 = None
+        getitem_20 = flatten_5[pack_index_default];  flatten_5 = None
 
         # File: hstu.py:37 in forward, code: out = torch.matmul(attn, v).transpose(1, 2).reshape(B, N, H * dv)
         jagged_attention_default = torch.ops.grcompile.jagged_attention.default(permute_13, permute_14, permute_15, valid_to_offsets, mod, [getitem_17, getitem_18], [getitem_19, getitem_20], [l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_, l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_], None, score_mod = 'captured-0071706ec5bf', use_qk = True, activation = 'identity', scale = 1.0, out_scale = 1.0, causal = True, max_len = 8, dropout_p = 0.0);  permute_13 = permute_14 = permute_15 = valid_to_offsets = mod = getitem_17 = getitem_18 = getitem_19 = getitem_20 = l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_ = l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_ = None
 
         # No stacktrace found for following nodes
         permute_16 = jagged_attention_default.permute(0, 1, 2);  jagged_attention_default = None
-        reshape_16 = permute_16.reshape(-1, 2, 4);  permute_16 = None
 
         # File: hstu.py:37 in forward, code: out = torch.matmul(attn, v).transpose(1, 2).reshape(B, N, H * dv)
-        permute_17 = reshape_16.permute(0, 1, 2);  reshape_16 = None
-        reshape_17 = permute_17.reshape(-1, 8);  permute_17 = None
+        permute_17 = permute_16.permute(0, 1, 2);  permute_16 = None
+        reshape_4 = permute_17.reshape(-1, 8);  permute_17 = None
 
         # File: hstu.py:39 in forward, code: gated = u * F.layer_norm(out, (H * dv,), eps=1e-6)
-        layer_norm_3 = torch.nn.functional.layer_norm(reshape_17, (8,), eps = 1e-06);  reshape_17 = None
+        layer_norm_3 = torch.nn.functional.layer_norm(reshape_4, (8,), eps = 1e-06);  reshape_4 = None
         mul_7 = getitem_13 * layer_norm_3;  getitem_13 = layer_norm_3 = None
 
         # File: hstu.py:40 in forward, code: return x + self.output(self.dropout(gated))
@@ -165,8 +163,8 @@ class GraphModule(torch.nn.Module):
         unsqueeze_12: "b8[4, 8, 1]" = valid.unsqueeze(-1);  valid = None
 
         # No stacktrace found for following nodes
-        reshape_18 = unsqueeze_12.reshape(32, 1);  unsqueeze_12 = None
-        getitem_21 = reshape_18[pack_index_default];  reshape_18 = None
+        flatten_6 = unsqueeze_12.flatten(0, 1);  unsqueeze_12 = None
+        getitem_21 = flatten_6[pack_index_default];  flatten_6 = None
 
         # File: common.py:53 in forward, code: return F.normalize(x, dim=-1) * valid.unsqueeze(-1)
         mul_8 = normalize_1 * getitem_21;  normalize_1 = getitem_21 = None
