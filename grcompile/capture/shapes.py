@@ -89,9 +89,9 @@ class ShapePolicy:
     positions, and whether later calls mark them symbolic."""
 
     enabled: bool = True
-    first: tuple | None = None          # input shapes of the call that compiled first
-    roles: dict[int, dict[int, str]] = field(default_factory=dict)  # flat input index -> {dim: role}
-    names: dict[int, str] = field(default_factory=dict)             # flat input index -> readable name
+    first: dict[str, tuple] | None = None  # input shapes of the call that compiled first, by argument path
+    roles: dict[str, dict[int, str]] = field(default_factory=dict)  # argument path -> {dim: role}
+    names: dict[str, str] = field(default_factory=dict)             # argument path -> the user's name
     dynamic: bool = False               # the token axes are marked symbolic on every call
     _call: list[tuple[str, torch.Tensor]] | None = None             # the call in progress
     _change: str = ""                   # what changed in the call in progress (for the report)
@@ -100,7 +100,7 @@ class ShapePolicy:
     @contextlib.contextmanager
     def call(self, state: Any, args: tuple, kwargs: dict) -> Iterator[None]:
         flat = _flat_tensors(args, kwargs)
-        shapes = tuple(tuple(t.shape) for _, t in flat)
+        shapes = {path: tuple(t.shape) for path, t in flat}
         self._call, self._change = flat, ""
         compiles = state.compiles
         if self.enabled and self.first is not None and shapes != self.first:
@@ -120,25 +120,30 @@ class ShapePolicy:
                 self.first = shapes
             self._call = None
 
+    def _name(self, path: str) -> str:
+        return self.names.get(path, path)
+
     def _mark(self, flat: list[tuple[str, torch.Tensor]]) -> None:
-        for i, (_, t) in enumerate(flat):
-            for dim, role in self.roles.get(i, {}).items():
+        for path, t in flat:
+            roles = self.roles.get(path, {})
+            for dim, role in roles.items():
                 if dim >= t.dim():
                     continue
                 if role == ROWS:
                     torch._dynamo.decorators.mark_unbacked(t, dim)
                 else:
                     torch._dynamo.maybe_mark_dynamic(t, dim)
-            if self.first is not None and i < len(self.first):  # any other axis that changed
-                before = self.first[i]
-                for dim in range(min(len(before), t.dim())):
-                    if before[dim] != t.shape[dim] and dim not in self.roles.get(i, {}):
+            before = (self.first or {}).get(path)
+            if before is not None and len(before) == t.dim():  # any other axis that changed
+                for dim in range(t.dim()):
+                    if before[dim] != t.shape[dim] and dim not in roles:
                         torch._dynamo.maybe_mark_dynamic(t, dim)
 
     def _describe_change(self, flat: list[tuple[str, torch.Tensor]]) -> str:
-        changed = [f"{self.names.get(i, name)} {list(self.first[i])} -> {list(t.shape)}" for i, (name, t) in enumerate(flat)
-                   if i < len(self.first) and tuple(t.shape) != self.first[i]]
-        return "input shapes changed (" + ", ".join(changed) + ")"
+        changed = [f"{self._name(path)} {list(self.first[path])} -> {list(t.shape)}" for path, t in flat
+                   if path in self.first and tuple(t.shape) != self.first[path]]
+        new = [self._name(path) for path, _ in flat if path not in self.first]
+        return "input shapes changed (" + ", ".join(changed + [f"{n} new" for n in new]) + ")"
 
     # ------------------------------------------------------------------ from the backend
     def learn(self, gm: fx.GraphModule) -> None:
@@ -155,14 +160,14 @@ class ShapePolicy:
             return
         if info is None:
             return
-        by_id = {id(t): i for i, (_, t) in enumerate(self._call)}
+        by_id = {id(t): path for path, t in self._call}
         for node, layout in info.layouts.items():
             if node.op != "placeholder" or layout is None or not hasattr(layout, "seq"):
                 continue
             grapharg = node.meta.get("grapharg")
             example = getattr(grapharg, "example", None) if grapharg is not None else None
-            i = by_id.get(id(example)) if isinstance(example, torch.Tensor) else None
-            if i is None or i in self.roles:
+            path = by_id.get(id(example)) if isinstance(example, torch.Tensor) else None
+            if path is None or path in self.roles:
                 continue
             dims = {}
             if layout.batch is not None:
@@ -170,9 +175,9 @@ class ShapePolicy:
             if layout.seq is not None:
                 dims[layout.seq] = POSITIONS
             if dims:
-                self.roles[i] = dims
+                self.roles[path] = dims
                 source = getattr(getattr(grapharg, "source", None), "name", None)
-                self.names[i] = _source_name(source) if isinstance(source, str) else self._call[i][0]
+                self.names[path] = _source_name(source) if isinstance(source, str) else path
 
     def recompile_reason(self, graph_index: int) -> dict[str, Any] | None:
         """The report entry for a compile after the first: why it happened (what changed, and the
@@ -185,10 +190,10 @@ class ShapePolicy:
             reason = (f"{self._change}: compiled once more with "
                       + (axes if axes else "the changed axes dynamic (no row / position axes known)"))
         else:
-            small = [f"{self.names.get(i, name)} dim {d} = {t.shape[d]}" for i, (name, t) in enumerate(self._call)
-                     for d, role in self.roles.get(i, {}).items() if role == POSITIONS and d < t.dim()
+            small = [f"{self._name(path)} dim {d} = {t.shape[d]}" for path, t in self._call
+                     for d, role in self.roles.get(path, {}).items() if role == POSITIONS and d < t.dim()
                      and t.shape[d] < 3]
-            shapes = ", ".join(f"{self.names.get(i, name)} {list(t.shape)}" for i, (name, t) in enumerate(self._call))
+            shapes = ", ".join(f"{self._name(path)} {list(t.shape)}" for path, t in self._call)
             reason = f"inputs ({shapes}) not covered by the graphs compiled so far"
             if small:
                 reason += (f"; positions of size {', '.join(small)}: Dynamo specialises a backed size (or one the "
@@ -198,9 +203,8 @@ class ShapePolicy:
         return {"graph": graph_index, "reason": reason}
 
     def describe_roles(self) -> str:
-        rows = [f"{self.names[i]} dim {d}" for i in sorted(self.roles) for d, r in self.roles[i].items() if r == ROWS]
-        pos = [f"{self.names[i]} dim {d}" for i in sorted(self.roles) for d, r in self.roles[i].items()
-               if r == POSITIONS]
+        rows = [f"{self._name(p)} dim {d}" for p in self.roles for d, r in self.roles[p].items() if r == ROWS]
+        pos = [f"{self._name(p)} dim {d}" for p in self.roles for d, r in self.roles[p].items() if r == POSITIONS]
         parts = []
         if rows:
             parts.append("rows (" + ", ".join(rows) + ") unbacked-symbolic")
