@@ -104,9 +104,12 @@ def _where(model: Any) -> str:
 
 
 def _in_scope(fn: Callable[..., Any], state: GrcompileState, where: str) -> Callable[..., Any]:
+    from .passes.decompose_attention import python_attention_paths
+
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        with CallScope(state, input_signature(args, kwargs), where), state.shapes.call(state, args, kwargs):
+        with CallScope(state, input_signature(args, kwargs), where), state.shapes.call(state, args, kwargs), \
+                python_attention_paths():  # nn.MultiheadAttention / TransformerEncoderLayer: the fusable path
             return fn(*args, **kwargs)
 
     return call

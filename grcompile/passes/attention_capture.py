@@ -7,12 +7,21 @@ and scalar constants. Each region value is re-expressed in one canonical frame `
 (broadcastable), so shape-only ops vanish, ``tril``/``triu`` become position comparisons, and the
 result is a pointwise function
 
-    score_mod(score, q_pos, k_pos, *q_sides, *k_sides, *tables) -> value
+    score_mod(score, q_pos, k_pos, [head], *q_sides, *k_sides, *tables) -> value
 
-that the fused op evaluates only on the pairs it visits. Exactness then needs two facts, which
-``prove_mask`` establishes by abstract evaluation (concrete where the inputs are known, ``ANY``
-elsewhere, ``x * 0 = 0`` for finite ``x``): for a valid query, a padded key contributes exactly 0
-(or, before a softmax, a logit ≤ −1e4); and for ``causal=True``, every key after the query does.
+that the fused op evaluates only on the pairs it visits. ``head`` (the head index, ``[1, H, 1, 1]``)
+is an input only when the score_mod needs it: a per-head table ``[K, H]`` gathered by a bucketed
+relative position (T5), or a per-head tensor. Tables are either gathered (``table[idx]``,
+``F.embedding(idx, table)``, ``one_hot(idx) @ table``) or per-pair tensors without a padding
+layout (a numpy-built causal mask, ``torch.eye(N)``, a learned ``[H, N, N]`` bias) indexed by
+``[head, q_pos, k_pos]``; constant ones are evaluated at compile time for the proof.
+Exactness then needs two facts, which ``prove`` establishes by abstract evaluation (concrete where
+the inputs are known, ``ANY`` elsewhere, ``x * 0 = 0`` for finite ``x``): for a valid query, a
+padded key contributes exactly 0 (or, before a softmax, a logit ≤ −1e4); and for ``causal=True``,
+every key after the query does. Softmax attention also needs a valid query to keep a live key
+(its own position) — unless every key the op skips has a logit of exactly −inf and the user's
+softmax gives 0 on a row without keys (SDPA does; so does a ``nan_to_num`` / ``where(isnan)``
+guard after an explicit softmax), which is what the op gives.
 """
 from __future__ import annotations
 
@@ -23,9 +32,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from .layout import Pair, Token
-from .op_semantics import arg, canonical, evaluate, example, shape_of
+from .op_semantics import arg, canonical, describe_op, evaluate, example, shape_of
 from .symbolic import is_one, is_symbolic, known_eq
 
 MASKED_LOGIT = -1.0e4  # a softmax logit at or below this is treated as masked (exp underflows in fp32)
@@ -61,15 +71,9 @@ class Capture:
     dropout_p: float = 0.0  # dropout on the attention weights (training)
     score_mod: fx.GraphModule | None = None
     heads: int = 1
-
-
-def _frame_axes(node: fx.Node, layout: Pair) -> dict[str, int | None]:
-    """Which axis of ``node`` plays b / h / i / j (h: the one other axis of size > 1)."""
-    shape = shape_of(node)
-    others = [a for a in range(layout.ndim) if a not in (layout.batch, layout.q, layout.k) and not is_one(shape[a])]
-    if len(others) > 1:
-        raise Unsupported(f"score tensor {node.name} has more than one head-like axis {shape}", node)
-    return {"b": layout.batch, "h": others[0] if others else None, "i": layout.q, "j": layout.k}
+    uses_head: bool = False  # the score_mod takes the head index (after k_pos)
+    views: list = field(default_factory=list)  # per table: a TableView (per-pair tensor) or None (gathered)
+    empty_rows_zero: bool = False  # the user's softmax gives 0 on a row whose logits are all -inf
 
 
 def is_qk_score(node: fx.Node, layouts: dict) -> bool:
@@ -125,9 +129,15 @@ def abstract_eval(gm: fx.GraphModule, inputs: list[Any]) -> Any:
 
 def _eval_abstract(node: fx.Node, args: Any, kwargs: Any) -> Any:
     """``node`` on evaluated arguments: concretely when none is ``ANY``, else by ``_apply``."""
-    if not any(isinstance(v, _Any) for v in list(args) + list(kwargs.values())):
+    if not _has_any(list(args) + list(kwargs.values())):
         return evaluate(node, args, kwargs)
     return _apply(node, list(args), dict(kwargs))
+
+
+def _has_any(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_has_any(v) for v in value)
+    return isinstance(value, _Any)
 
 
 def _apply(node: fx.Node, args: list, kwargs: dict) -> Any:
@@ -135,13 +145,26 @@ def _apply(node: fx.Node, args: list, kwargs: dict) -> Any:
     op = canonical(node)
     zero = lambda v: _all(v, lambda t: t == 0)  # noqa: E731
     result: Any = ANY
+    masked = [a is MASKED for a in args[:2]]
     args = [ANY if isinstance(a, _Any) else a for a in args]
-    if op == "mul" and any(zero(v) for v in args[:2]):
+    if op == "add" and any(masked) and all(m or a is ANY or _finite(a) and _all(a, lambda t: t <= 0)
+                                           for m, a in zip(masked, args[:2])):
+        result = MASKED  # a masked logit plus a finite score (or another masked logit) stays masked
+    elif op == "sub" and len(args) >= 2 and masked[0] and (args[1] is ANY and not masked[1] or
+                                                           _finite(args[1]) and _all(args[1], lambda t: t >= 0)):
+        result = MASKED
+    elif op in ("mul", "div") and len(args) >= 2 and masked[0] and not isinstance(args[1], fx.Node) and \
+            _all(args[1], lambda t: (t >= 1) if op == "mul" else (t > 0) & (t <= 1)):
+        result = MASKED  # scaled away from 0 by a constant: still at or below the threshold
+    elif op == "mul" and any(zero(v) for v in args[:2]):
         result = torch.zeros(())
     elif op == "and" and any(_all(v, lambda t: ~t.bool()) for v in args[:2]):
         result = torch.zeros((), dtype=torch.bool)
     elif op == "or" and any(_all(v, lambda t: t.bool()) for v in args[:2]):
         result = torch.ones((), dtype=torch.bool)
+    elif op == "where" and len(args) == 3 and all(a is not ANY for a in args[1:]) and \
+            torch.equal(*torch.broadcast_tensors(torch.as_tensor(args[1]), torch.as_tensor(args[2]))):
+        result = args[1]  # both branches agree: the condition does not matter
     elif op == "where" and args[0] is not ANY:
         cond = args[0]
         if _all(cond, lambda t: t.bool()):
@@ -156,6 +179,10 @@ def _apply(node: fx.Node, args: list, kwargs: dict) -> Any:
             result = args[0]
     elif op == "div" and zero(args[0]):
         result = torch.zeros(())
+    elif op in ("add", "sub") and len(args) >= 2 and any(a is ANY for a in args[:2]) and any(
+            a is not ANY and _all(a, lambda t: t == (math.inf if op == "sub" and i == 1 else -math.inf))
+            for i, a in enumerate(args[:2])):
+        result = torch.tensor(-math.inf)  # x + (−inf) = −inf for a finite x (an additive −inf mask)
     elif op in ("add", "sub") and len(args) >= 2 and args[0] is ANY and args[1] is not ANY and \
             _all(args[1], lambda t: (t if op == "add" else -t) <= MASKED_LOGIT):
         result = MASKED  # an additive mask: x + (−1e4) is a masked logit for |x| well below 1e4
@@ -165,6 +192,10 @@ def _apply(node: fx.Node, args: list, kwargs: dict) -> Any:
     elif op == "unary" and node.target in _CASTS and args[0] is not ANY:
         result = args[0]
     return result
+
+
+def _finite(value: Any) -> bool:
+    return not isinstance(value, _Any) and _all(value, lambda t: torch.isfinite(torch.as_tensor(t, dtype=torch.float64)))
 
 
 def is_masked(value: Any, normalize: str) -> bool:
@@ -190,7 +221,8 @@ def side_value(node: Any, valid: torch.Tensor, validity: set, padding: set, dept
     if depth == 0:
         return ANY
     op = canonical(node)
-    if op in _SHAPE_ONLY or (op == "getitem" and not isinstance(node.args[1], fx.Node)
+    if op in _SHAPE_ONLY or op in ("repeat", "repeat_interleave") or (
+            op == "getitem" and not isinstance(node.args[1], fx.Node)
                              and isinstance(node.args[0], fx.Node) and canonical(node.args[0]) != "split"):
         return side_value(node.args[0], valid, validity, padding, depth - 1)
     if op == "unary" and node.target in _CASTS:
@@ -205,16 +237,31 @@ def side_value(node: Any, valid: torch.Tensor, validity: set, padding: set, dept
     return ANY
 
 
-def _role(leaf: fx.Node, consumer: fx.Node, layouts: dict) -> str:
-    t, c = layouts[leaf], layouts[consumer]
+def _role(leaf: fx.Node, consumer_roles: list[str | None], layouts: dict, consumer: fx.Node) -> str:
+    """``"q"`` / ``"k"``: which side of the pair a per-token value ``leaf`` is broadcast along."""
+    t = layouts[leaf]
     if t.seq is None:
         return "q"  # a per-row value (e.g. lengths): the same for every pair of the row
-    axis = t.seq + c.ndim - t.ndim
-    if axis == c.q:
-        return "q"
-    if axis == c.k:
-        return "k"
+    axis = t.seq + len(consumer_roles) - t.ndim
+    role = consumer_roles[axis] if 0 <= axis < len(consumer_roles) else None
+    if role in ("i", "j"):
+        return "q" if role == "i" else "k"
     raise Unsupported(f"{leaf.name} is broadcast along neither the query nor the key axis", consumer)
+
+
+def _side_source(leaf: fx.Node, layouts: dict) -> fx.Node:
+    """The per-token scalar under broadcasts of it (``valid[:, None, None, :].repeat(1, H, N, 1)``
+    → ``valid``): what the op receives as a ``[B, N]`` side input."""
+    while True:
+        op = canonical(leaf)
+        if not (op in _SHAPE_ONLY or op in ("repeat", "repeat_interleave") or
+                (op == "getitem" and _is_broadcast_index(leaf.args[1]))):
+            return leaf
+        x = leaf.args[0]
+        lx = layouts.get(x) if isinstance(x, fx.Node) else None
+        if not isinstance(lx, Token) or lx.seq is None:
+            return leaf
+        leaf = x
 
 
 def _is_broadcast_index(index: Any) -> bool:
@@ -231,65 +278,247 @@ def _is_arange(node: fx.Node, N: int) -> bool:
 
 
 _FACTORY_FILL = {"ones": 1, "zeros": 0, "ones_like": 1, "zeros_like": 0}
+_RANDOM = ("rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm", "bernoulli",
+           "normal", "multinomial", "dropout", "empty", "empty_like", "empty_strided")
 
 
-def is_size_scalar(a: fx.Node) -> bool:
-    """A SymInt / SymFloat node (a size of a dynamic graph, or arithmetic on one): the op receives
-    it as a 0-d tensor, so the score_mod is the same for every N (a baked int would not be)."""
-    return isinstance(example(a), (torch.SymInt, torch.SymFloat))
+def spelled(node: Any) -> str:
+    """How the user wrote ``node``'s op (``torch.where``, ``F.embedding``, ``Tensor.masked_fill``, ``*``)."""
+    return describe_op(node)
+
+
+def _is_zero(value: Any) -> bool:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value == 0
+    if isinstance(value, fx.Node) and canonical(value) == "factory":
+        name = getattr(value.target, "__name__", "")
+        return name in ("zeros", "zeros_like") or (name in ("full", "full_like") and arg(value, 1, "fill_value") == 0)
+    return False
+
+
+def _is_nan_test(cond: Any, x: fx.Node) -> bool:
+    """``isnan(x)`` or ``x != x``."""
+    if not isinstance(cond, fx.Node):
+        return False
+    if canonical(cond) == "unary" and getattr(cond.target, "__name__", cond.target) == "isnan":
+        return cond.args[0] is x
+    return canonical(cond) == "ne" and len(cond.args) == 2 and cond.args[0] is x and cond.args[1] is x
+
+
+def nan_guarded(node: fx.Node) -> fx.Node | None:
+    """``x`` if ``node`` only replaces NaN by 0 in ``x`` — ``nan_to_num(x)``, ``where(isnan(x), 0, x)``,
+    ``x.masked_fill(isnan(x), 0)`` — on attention weights (which hold no ±inf), else None."""
+    op = canonical(node)
+    if op == "unary" and getattr(node.target, "__name__", node.target) == "nan_to_num":
+        x = node.args[0]
+        return x if isinstance(x, fx.Node) and arg(node, 1, "nan", 0.0) in (0, 0.0, None) else None
+    if op == "where" and len(node.args) == 3:
+        cond, a, b = node.args
+        return b if isinstance(b, fx.Node) and _is_zero(a) and _is_nan_test(cond, b) else None
+    if op == "masked_fill":
+        x, m = node.args[0], arg(node, 1, "mask")
+        return x if isinstance(x, fx.Node) and _is_nan_test(m, x) and _is_zero(arg(node, 2, "value")) else None
+    return None
+
+
+class _NotStatic(Exception):
+    pass
+
+
+def static_value(node: Any, memo: dict | None = None) -> tuple[Any, list[fx.Node]]:
+    """The value of ``node`` computed at compile time from constants, factories and the current
+    value of inputs that take no gradient (buffers, tensor attributes); returns ``(value, those
+    inputs)``. Raises ``_NotStatic`` for random ops, parameters and unreadable inputs."""
+    memo = {} if memo is None else memo
+    inputs: list[fx.Node] = []
+
+    def run(n: Any) -> Any:
+        if not isinstance(n, fx.Node):
+            return n
+        if n in memo:
+            return memo[n]
+        if n.op == "placeholder":
+            ex = example(n)
+            if not isinstance(ex, torch.Tensor) or ex.requires_grad:
+                raise _NotStatic(n)
+            grapharg = n.meta.get("grapharg")
+            value = getattr(grapharg, "example", None)
+            if not isinstance(value, torch.Tensor):
+                raise _NotStatic(n)
+            inputs.append(n)
+            value = value.detach()
+        elif n.op == "get_attr":
+            value = n.graph.owning_module
+            for part in str(n.target).split("."):
+                value = getattr(value, part)
+        elif n.op in ("call_function", "call_method"):
+            if getattr(n.target, "__name__", str(n.target)) in _RANDOM or n.target in _RANDOM:
+                raise _NotStatic(n)
+            args = fx.node.map_arg(n.args, run)
+            kwargs = fx.node.map_arg(n.kwargs, run)
+            value = evaluate(n, args, kwargs)
+        else:
+            raise _NotStatic(n)
+        memo[n] = value
+        return value
+
+    with torch.no_grad():
+        value = run(node)
+    return value, inputs
+
+
+@dataclass
+class TableView:
+    """A per-pair (or per-head) tensor given to the op as a table: ``node`` permuted by ``order``
+    and reshaped to ``sizes`` (its varying axes, canonical order), indexed by ``roles``
+    (``h`` -> head, ``i`` -> q_pos, ``j`` -> k_pos) inside the score_mod."""
+    order: list[int]
+    sizes: list[int]
+    roles: list[str]
+    static: Any = None  # its compile-time value (compacted), or None (learned: unknown to the proof)
+    checked: bool = False  # the value comes from inputs: the op gets it through a runtime equality check
+
+
+def _heads_of(v: fx.Node, layout: Token) -> int:
+    shape = shape_of(v)
+    nd = len(shape)
+    heads = [shape[a] for a in range(nd) if a not in (layout.batch, layout.seq, nd - 1) and not is_one(shape[a])]
+    if len(heads) > 1:
+        raise Unsupported(f"the values {v.name} {shape} have more than one head axis", v)
+    return heads[0] if heads else 1
+
+
+def _one_hot_index(node: Any) -> fx.Node | None:
+    """``idx`` if ``node`` is ``one_hot(idx, K)`` (through dtype casts)."""
+    while isinstance(node, fx.Node) and canonical(node) == "unary" and node.target in _CASTS:
+        node = node.args[0]
+    if isinstance(node, fx.Node) and canonical(node) == "one_hot":
+        return node.args[0]
+    return None
+
+
+def _gather_index(n: fx.Node, base: fx.Node) -> Any:
+    """The index with which region node ``n`` gathers rows of table ``base`` (``base[idx]``,
+    ``F.embedding(idx, base)``, ``one_hot(idx) @ base``), or None."""
+    op = canonical(n)
+    if op == "getitem" and n.args[0] is base and isinstance(n.args[1], fx.Node):
+        return n.args[1]
+    if op == "embedding" and n.target is F.embedding and arg(n, 1, "weight") is base:
+        return n.args[0]
+    if op == "matmul" and n.args[1] is base:
+        return _one_hot_index(n.args[0])
+    return None
 
 
 def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int) -> Capture:
     """Build the score_mod of ``contraction = matmul(A, v)`` and decide normalize / causal inputs.
     Raises ``Unsupported`` with the reason when the region is not a pointwise score function."""
     top = contraction.args[0]
-    normalize, dropout_p = "none", 0.0
-    if canonical(top) == "dropout":
-        p, training = arg(top, 1, "p", 0.5), arg(top, 2, "training", True)
-        if not isinstance(p, (int, float)) or not isinstance(training, bool):
-            raise Unsupported("attention dropout with a non-constant p or training flag", top)
-        if training and p > 0:
-            if p >= 1:
-                raise Unsupported(f"attention dropout p = {p} >= 1", top)
-            dropout_p = float(p)
-        top = top.args[0]
+    normalize, dropout_p, guarded, seen_dropout = "none", 0.0, False, False
+    while True:  # attention dropout, a NaN→0 guard and casts that keep the dtype, in any order
+        if canonical(top) == "unary" and top.target in _CASTS and isinstance(top.args[0], fx.Node) and \
+                getattr(example(top), "dtype", None) == getattr(example(top.args[0]), "dtype", 0):
+            top = top.args[0]
+        elif canonical(top) == "dropout" and not seen_dropout:
+            p, training = arg(top, 1, "p", 0.5), arg(top, 2, "training", True)
+            if not isinstance(p, (int, float)) or not isinstance(training, bool):
+                raise Unsupported("attention dropout with a non-constant p or training flag", top)
+            if training and p > 0:
+                if p >= 1:
+                    raise Unsupported(f"attention dropout p = {p} >= 1", top)
+                dropout_p = float(p)
+            seen_dropout, top = True, top.args[0]
+        elif not guarded and (inner := nan_guarded(top)) is not None:
+            guarded, top = True, inner
+        else:
+            break
     if canonical(top) == "softmax":
-        layout = layouts.get(top)
         if getattr(top.target, "__name__", top.target) in ("log_softmax",):
             raise Unsupported("log_softmax attention weights", top)
         normalize = "softmax"
         top = top.args[0]
+    elif guarded:
+        raise Unsupported("a NaN guard on attention weights that are not a softmax", top)
     region, leaves = collect_from(top, layouts)
     if not region and leaves.get(top) != "score":
         raise Unsupported("the attention weights are not computed from pairwise scores", top)
 
+    v = contraction.args[1]
+    H = _heads_of(v, layouts[v])
     g = fx.Graph()
-    frame: dict[tuple[fx.Node, str | None], fx.Node] = {}
-    cap = Capture(score=None, q=None, kT=None, normalize=normalize, dropout_p=dropout_p)
+    cap = Capture(score=None, q=None, kT=None, normalize=normalize, dropout_p=dropout_p, heads=H,
+                  empty_rows_zero=guarded)
     score_ph = g.placeholder("score")
     q_pos, k_pos = g.placeholder("q_pos"), g.placeholder("k_pos")
-    consumers = region if region else []
-    # sides: (leaf, role) in first-use order; tables: free placeholder leaves used as gather bases
+    head_ph: list[fx.Node] = []
+
+    def head() -> fx.Node:
+        if not head_ph:
+            with g.inserting_after(k_pos):
+                head_ph.append(g.placeholder("head"))
+            cap.uses_head = True
+        return head_ph[0]
+
+    region_set = set(region)
+    # one_hot(idx) (and its casts) feeding ``@ table``: absorbed into the gather, never a value
+    absorbed = {n for n in region if _one_hot_index(n) is not None and all(
+        _one_hot_index(u) is not None or (canonical(u) == "matmul" and u.args[0] is n) for u in n.users)}
+    roles_memo: dict[fx.Node, list[str | None]] = {}
+
+    def roles(n: fx.Node) -> list[str | None]:
+        """Which axis of region node ``n`` is b / h / i / j (None: size 1, a broadcast)."""
+        if n in roles_memo:
+            return roles_memo[n]
+        layout, shape = layouts[n], shape_of(n)
+        r: list[str | None] = [None] * len(shape)
+        if isinstance(layout, Token):  # a per-token value broadcast over pairs: roles from its consumers
+            for user in n.users:
+                if user not in region_set:
+                    continue
+                ur = roles(user)
+                offset = len(ur) - len(shape)
+                mine = [ur[a + offset] if not is_one(shape[a]) else None for a in range(len(shape))]
+                if layout.seq is not None and not is_one(shape[layout.seq]) and mine[layout.seq] not in ("i", "j"):
+                    raise Unsupported(f"{n.name} is broadcast along neither the query nor the key axis", user)
+                if r != [None] * len(shape) and mine != r:
+                    raise Unsupported(f"{n.name} is broadcast differently by two of its users", user)
+                r = mine
+            roles_memo[n] = r
+            return r
+        for axis, name in ((layout.batch, "b"), (layout.q, "i"), (layout.k, "j")):
+            if axis is not None and not is_one(shape[axis]):
+                r[axis] = name
+        others = [a for a in range(len(shape)) if a not in (layout.batch, layout.q, layout.k) and not is_one(shape[a])]
+        if len(others) > 1 or (others and not known_eq(shape[others[0]], H)):
+            raise Unsupported(f"{spelled(n)} ({n.name}) gives a score tensor of shape {shape} with an axis that "
+                              f"is neither the {H} head(s) nor a position", n)
+        if others:
+            r[others[0]] = "h"
+        roles_memo[n] = r
+        return r
+
+    # inputs in the op's order: (score, q_pos, k_pos, [head], *q_sides, *k_sides, *tables)
     sides: list[tuple[fx.Node, str]] = []
     tables: list[fx.Node] = []
-    for n in consumers:
+    views: dict[fx.Node, TableView | None] = {}
+    for n in region:
         for a in n.all_input_nodes:
             kind = leaves.get(a)
             if kind == "side":
-                role = _role(a, n, layouts)
+                role = _role(a, roles(n), layouts, n)
                 if (a, role) not in sides:
                     sides.append((a, role))
-            elif kind == "free" and is_size_scalar(a):  # a symbolic size (``/ N`` of a dynamic graph)
-                if a not in tables:
+            elif kind == "free" and a not in views:
+                if is_size_scalar(a):  # a symbolic size (``/ N`` of a dynamic graph): a 0-d input of the op
+                    views[a] = None
                     tables.append(a)
-            elif kind == "free" and a.op == "placeholder":
-                if not (canonical(n) == "getitem" and n.args[0] is a):
-                    raise Unsupported(f"{a.name} enters the attention scores other than as a bias table", n)
-                if len(shape_of(a)) != 1:
-                    raise Unsupported(f"bias table {a.name} has shape {shape_of(a)}; only 1-D tables are fused", n)
-                if a not in tables:
+                elif _gather_index(n, a) is not None:
+                    _check_table(a, n, H)
+                    views[a] = None
                     tables.append(a)
-    # placeholders read (score, q_pos, k_pos, *q_sides, *k_sides, *tables): the op's argument order
+                elif not _scalar_factory(a):
+                    views[a] = _table_view(a, n, roles(n), N)
+                    tables.append(a)
     sides.sort(key=lambda side: side[1] != "q")
     side_ph = {}
     for leaf, role in sides:
@@ -297,9 +526,9 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
             side_ph[(leaf, role)] = q_pos if role == "q" else k_pos
         else:
             side_ph[(leaf, role)] = g.placeholder(f"{role}_side_{len(cap.sides)}")  # by index: same math, same key
-            cap.sides.append(Side(leaf, role, False))
+            cap.sides.append(Side(_side_source(leaf, layouts), role, False))
     table_ph = {t: g.placeholder(f"table_{i}") for i, t in enumerate(tables)}
-    cap.tables = tables
+    cap.tables, cap.views = tables, [views[t] for t in tables]
 
     def value_of(a: Any, consumer: fx.Node) -> Any:
         if not isinstance(a, fx.Node):
@@ -313,25 +542,50 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
             cap.score, cap.q, cap.kT = a, a.args[0], a.args[1]
             return score_ph
         if kind == "side":
-            return side_ph[(a, _role(a, consumer, layouts))]
+            return side_ph[(a, _role(a, roles(consumer), layouts, consumer))]
         if kind == "free":
-            if a in table_ph:
+            view = views.get(a)
+            if view is not None:  # a per-pair / per-head tensor, indexed by the op's coordinates
+                index = [{"h": head, "i": lambda: q_pos, "j": lambda: k_pos}[r]() for r in view.roles]
+                ph = table_ph[a]
+                return g.call_function(operator.getitem, (ph, tuple(index))) if index else ph
+            if a in table_ph and is_size_scalar(a):
                 return table_ph[a]
-            name = canonical(a) == "factory" and getattr(a.target, "__name__", str(a.target))
+            if a in table_ph:
+                raise Unsupported(f"bias table {a.name} enters the attention scores other than by a lookup", consumer)
+            name = getattr(a.target, "__name__", str(a.target))
             if name in _FACTORY_FILL:
-                dtype = example(a).dtype
-                return g.call_function(torch.full, ((), _FACTORY_FILL[name]), {"dtype": dtype})
+                return g.call_function(torch.full, ((), _FACTORY_FILL[name]), {"dtype": example(a).dtype})
             if name in ("full", "full_like"):
                 return g.call_function(torch.full, ((), arg(a, 1, "fill_value")), {"dtype": example(a).dtype})
-            raise Unsupported(f"{a.name} ({a.target}) enters the attention scores but is not per-pair", a)
+            raise Unsupported(f"{spelled(a)} ({a.name}) enters the attention scores but is not a per-pair value", a)
         raise Unsupported(f"unexpected input {a.name} of the attention scores", consumer)
+
+    def gather(n: fx.Node, base: fx.Node, index: Any) -> fx.Node:
+        idx = value_of(index, n)
+        table = table_ph[base]
+        if len(shape_of(base)) == 1:
+            return g.call_function(operator.getitem, (table, idx))
+        width = shape_of(base)[1]  # [K, H]: one column per head; [K, 1]: shared by the heads
+        return g.call_function(operator.getitem, (table, (idx, head() if not is_one(width) else 0)))
 
     frame_env: dict[fx.Node, Any] = {}
     for n in region:
         op = canonical(n)
+        if n in absorbed:
+            continue
+        if op not in ("getitem", "embedding", "matmul"):
+            roles(n)  # an axis that is neither heads nor positions cannot be captured
         if op in _SHAPE_ONLY or (op == "unary" and n.target in ("contiguous", "clone")):
             frame_env[n] = value_of(n.args[0], n)
+        elif op in ("repeat", "repeat_interleave"):
+            if shape_of(n.args[0]) is None or not _tiles_broadcast_axes_only(n):
+                raise Unsupported(f"{spelled(n)} ({n.name}) tiles an axis of size > 1 inside the attention scores", n)
+            frame_env[n] = value_of(n.args[0], n)
         elif op in ("tril", "triu"):
+            r = roles(n)
+            if r[-2:] != ["i", "j"] and not is_one(N):
+                raise Unsupported(f"{spelled(n)} ({n.name}) on axes that are not (query, key)", n)
             x = value_of(n.args[0], n)
             diagonal = arg(n, 1, "diagonal", 0)
             rel = g.call_function(operator.sub, (k_pos, q_pos))
@@ -340,22 +594,32 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
             frame_env[n] = g.call_function(torch.where, (keep, x, zero))
         elif op == "getitem" and _is_broadcast_index(n.args[1]):  # x[None, :], x[:, None]: a view
             frame_env[n] = value_of(n.args[0], n)
+        elif op in ("getitem", "embedding", "matmul") and any(
+                _gather_index(n, b) is not None for b in n.all_input_nodes if b in table_ph and views.get(b) is None):
+            base = next(b for b in n.all_input_nodes if b in table_ph and views.get(b) is None
+                        and _gather_index(n, b) is not None)
+            if op == "embedding" and any(arg(n, i, name, d) != d for i, name, d in (
+                    (2, "padding_idx", None), (3, "max_norm", None), (5, "scale_grad_by_freq", False),
+                    (6, "sparse", False))):
+                raise Unsupported("F.embedding with padding_idx / max_norm / scale_grad_by_freq / sparse in a "
+                                  "bias lookup", n)
+            frame_env[n] = gather(n, base, _gather_index(n, base))
         elif op == "getitem":
-            base, index = n.args[0], n.args[1]
-            if base not in table_ph or not isinstance(index, fx.Node):
-                raise Unsupported(f"indexing {n.name} inside the attention scores", n)
-            frame_env[n] = g.call_function(operator.getitem, (table_ph[base], value_of(index, n)))
-        elif op == "embedding":
-            raise Unsupported("embedding-style bias lookups are not fused yet (use table[index])", n)
+            raise Unsupported(f"indexing {n.name} inside the attention scores (only table[index] lookups)", n)
         elif op in _POINTWISE:
+            _check_heads_line_up(n, roles, leaves)
             args = fx.node.map_arg(n.args, lambda a: value_of(a, n))
             kwargs = fx.node.map_arg(n.kwargs, lambda a: value_of(a, n))
             if n.op == "call_method":
                 frame_env[n] = g.call_method(n.target, args, kwargs)
             else:
                 frame_env[n] = g.call_function(n.target, args, kwargs)
+        elif op == "softmax":
+            after = sorted({spelled(u) for u in n.users if u in region_set}) or ["an op"]
+            raise Unsupported(f"the attention weights are changed after their softmax ({n.name}, by "
+                              f"{', '.join(after)}): only dropout or a NaN→0 guard may follow it", n)
         else:
-            raise Unsupported(f"{op or n.target} inside the attention scores", n)
+            raise Unsupported(f"{spelled(n)} ({n.name}) inside the attention scores is not a pointwise op", n)
     result = frame_env[top] if top in frame_env else value_of(top, contraction)
     g.output(result)
     if cap.score is None and leaves.get(top) == "score":
@@ -364,7 +628,91 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
     return cap
 
 
+def is_size_scalar(a: fx.Node) -> bool:
+    """A SymInt / SymFloat node (a size of a dynamic graph, or arithmetic on one): the op receives
+    it as a 0-d tensor, so the score_mod is the same for every N (a baked int would not be)."""
+    return isinstance(example(a), (torch.SymInt, torch.SymFloat))
+
+
+def _scalar_factory(a: fx.Node) -> bool:
+    return canonical(a) == "factory" and getattr(a.target, "__name__", "") in (*_FACTORY_FILL, "full", "full_like")
+
+
+def _check_table(table: fx.Node, user: fx.Node, H: int) -> None:
+    shape = shape_of(table)
+    if table.op != "placeholder":
+        raise Unsupported(f"the bias table of {spelled(user)} ({table.name}) is computed in the graph; only "
+                          f"parameters and buffers are looked up inside the fused op", user)
+    if len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] not in (1, H)):
+        raise Unsupported(f"bias table {table.name} has shape {shape}: a lookup table is [K] or [K, heads] "
+                          f"(heads = {H}) here", user)
+
+
+def _tiles_broadcast_axes_only(n: fx.Node) -> bool:
+    shape = shape_of(n.args[0])
+    if canonical(n) == "repeat":
+        reps = n.args[1:] if len(n.args) > 2 else arg(n, 1, "repeats")
+        reps = list(reps) if isinstance(reps, (list, tuple)) else [reps]
+        reps = reps[len(reps) - len(shape):]
+        return all(r == 1 or is_one(s) for r, s in zip(reps, shape))
+    repeats, dim = arg(n, 1, "repeats"), arg(n, 2, "dim")
+    return isinstance(dim, int) and (repeats == 1 or is_one(shape[dim]))
+
+
+def _check_heads_line_up(n: fx.Node, roles, leaves: dict) -> None:
+    """Broadcasting must line up the head axes of a pointwise op's operands (b / i / j are
+    checked by the layouts)."""
+    out = roles(n)
+    want = next((a - len(out) for a, r in enumerate(out) if r == "h"), None)
+    for a in n.all_input_nodes:
+        if leaves.get(a) is not None or shape_of(a) is None:
+            continue  # a leaf: sides carry no head axis, tables are aligned by _table_view
+        r = roles(a)
+        h = next((x - len(r) for x, y in enumerate(r) if y == "h"), None)
+        if h is not None and h != want:
+            raise Unsupported(f"{spelled(n)} ({n.name}) combines score tensors whose head axes do not line up", n)
+
+
+def _table_view(leaf: fx.Node, consumer: fx.Node, consumer_roles: list[str | None], N: int) -> TableView:
+    """How a per-pair / per-head tensor (a constant mask, a learned [H, N, N] bias) enters the op."""
+    shape = shape_of(leaf)
+    if shape is None:
+        raise Unsupported(f"{spelled(leaf)} ({leaf.name}) enters the attention scores with an unknown shape", leaf)
+    offset = len(consumer_roles) - len(shape)
+    if offset < 0:
+        raise Unsupported(f"{spelled(leaf)} ({leaf.name}) {shape} has more axes than the scores", consumer)
+    varying = []
+    for axis, size in enumerate(shape):
+        if is_one(size):
+            continue
+        role = consumer_roles[axis + offset]
+        if role not in ("h", "i", "j"):
+            raise Unsupported(f"{spelled(leaf)} ({leaf.name}) {shape} varies along the "
+                              f"{'batch' if role == 'b' else 'unknown'} axis of the scores: only per-position "
+                              f"or per-head tensors without a padding layout enter the fused op", consumer)
+        varying.append((role, axis))
+    varying.sort(key=lambda ra: "hij".index(ra[0]))
+    order = [a for _, a in varying] + [a for a in range(len(shape)) if a not in {a for _, a in varying}]
+    view = TableView(order, [shape[a] for _, a in varying], [r for r, _ in varying])
+    ex = example(leaf)
+    if isinstance(ex, torch.Tensor) and not ex.requires_grad:
+        try:
+            value, inputs = static_value(leaf)
+        except _NotStatic as e:
+            raise Unsupported(f"{spelled(leaf)} ({leaf.name}) enters the attention scores, takes no gradient and "
+                              f"cannot be evaluated at compile time (it depends on {e.args[0]})", leaf) from None
+        except Exception as e:  # noqa: BLE001 - a constant we cannot evaluate: no proof
+            raise Unsupported(f"{spelled(leaf)} ({leaf.name}) enters the attention scores and cannot be evaluated "
+                              f"at compile time ({type(e).__name__})", leaf) from None
+        view.static = value.permute(*order).reshape(view.sizes) if view.sizes else value.reshape(())
+        view.checked = bool(inputs)
+    return view
+
+
 def collect_from(top: fx.Node, layouts: dict) -> tuple[list[fx.Node], dict[fx.Node, str]]:
+    """The region under ``top`` (Pair nodes, and per-token values that carry a pair axis of a
+    constant, e.g. ``valid[:, None, None, :] | eye``) and its leaves: ``score`` (q·kᵀ), ``side``
+    (a per-token value), ``free`` (everything without a padding layout)."""
     region: set[fx.Node] = set()
     leaves: dict[fx.Node, str] = {}
     stack = [top]
@@ -379,12 +727,28 @@ def collect_from(top: fx.Node, layouts: dict) -> tuple[list[fx.Node], dict[fx.No
                 continue
             region.add(n)
             stack.extend(n.all_input_nodes)
+        elif isinstance(layout, Token) and _varies_beyond_tokens(n, layout) and (
+                canonical(n) in _POINTWISE or canonical(n) in _SHAPE_ONLY or canonical(n) in ("repeat", "repeat_interleave")
+                or (canonical(n) == "getitem" and _is_broadcast_index(n.args[1]))):
+            region.add(n)  # a per-token value combined with a per-pair constant: computed per pair
+            stack.extend(n.all_input_nodes)
         elif isinstance(layout, Token):
             leaves[n] = "side"
         else:
             leaves[n] = "free"
     order = {n: i for i, n in enumerate(top.graph.nodes)}
     return sorted(region, key=order.__getitem__), leaves
+
+
+def _varies_beyond_tokens(n: fx.Node, layout: Token) -> bool:
+    """A per-token tensor with an axis of size > 1 besides its row and position axes (a broadcast
+    over the other side of the pair, or a per-pair constant combined into it)."""
+    shape = shape_of(n)
+    return shape is not None and any(not is_one(s) for a, s in enumerate(shape) if a not in (layout.batch, layout.seq))
+
+
+def _neg_inf(value: Any) -> bool:
+    return not isinstance(value, _Any) and _all(value, lambda t: t == -math.inf)
 
 
 def _opaque(_value: Any) -> Any:
@@ -467,22 +831,38 @@ def prove(cap: Capture, validity: set[fx.Node], N: int, padding: set[fx.Node] = 
     With a symbolic N the positions are enumerated on ``_proof_frame``'s range (a proof for
     every N)."""
     padding = set(padding)
+    if is_symbolic(N) and any(view is not None and view.static is not None for view in cap.views):
+        raise Unsupported("a constant per-pair tensor enters the attention scores of a graph compiled for any "
+                          "sequence length: its values are only known for one N", cap.score)
     mod, N = _proof_frame(cap.score_mod, N)
+    heads = [torch.arange(cap.heads).view(cap.heads, 1)] if cap.uses_head else []
+    tables = [view.static if view is not None and view.static is not None else ANY for view in cap.views]
 
     def inputs(q_pos, k_pos, q_valid, k_valid):
         sides = [side_value(s.node, q_valid if s.role == "q" else k_valid, validity, padding) for s in cap.sides]
-        return [ANY, q_pos, k_pos, *sides, *[ANY] * len(cap.tables)]
+        return [ANY, q_pos, k_pos, *heads, *sides, *tables]
 
     true, false = torch.tensor(True), torch.tensor(False)
-    padded_key = abstract_eval(mod, inputs(ANY, ANY, true, false))
+    if any(view is not None and view.static is not None for view in cap.views):
+        # a constant per-pair tensor is known at every (i, j): evaluate it there; a valid query
+        # and a padded key are never at the same position
+        i, j = torch.meshgrid(torch.arange(N), torch.arange(N), indexing="ij")
+        off = i != j
+        padded_key = abstract_eval(mod, inputs(i[off][None], j[off][None], true, false))
+    else:
+        padded_key = abstract_eval(mod, inputs(ANY, ANY, true, false))
     if not is_masked(padded_key, cap.normalize):
         raise Unsupported("cannot prove that padded keys are masked out of the attention (mask the scores "
                           "with the validity of the keys)", cap.score)
     i, j = torch.triu_indices(N, N, offset=1)
-    future = abstract_eval(mod, inputs(i, j, true, true))
+    future = abstract_eval(mod, inputs(i[None], j[None], true, true))
     causal = is_masked(future, cap.normalize)
     if cap.normalize == "softmax":
-        diag = torch.arange(N)
-        if is_masked(abstract_eval(mod, inputs(diag, diag, true, true)), "softmax"):
+        # Keys the op skips (padded; later ones when causal) at exactly -inf are skipped by the
+        # user's softmax too; if it also gives 0 on a row without keys, no row can differ.
+        skipped_inf = _neg_inf(padded_key) and (not causal or _neg_inf(future))
+        diag = torch.arange(N)[None]
+        if not (cap.empty_rows_zero and skipped_inf) and \
+                is_masked(abstract_eval(mod, inputs(diag, diag, true, true)), "softmax"):
             raise Unsupported("a valid query may have every key masked (softmax over an empty set)", cap.score)
     return causal

@@ -13,7 +13,11 @@ other random draws than the eager dropout). Falls back (report: site + reason) w
 Invariant: values at every valid query position are unchanged (with attention dropout: in
 distribution, and exactly given the op's mask); padded query positions give 0.
 Attention written with ``einsum`` (a score ``bid,bjd->bij`` or a contraction ``bij,bjd->bid``,
-any letters and batch axes) is first rewritten as permute + matmul (counter ``einsum_as_matmul``).
+any letters and batch axes) is first rewritten as permute + matmul (counter ``einsum_as_matmul``);
+``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` (``F.multi_head_attention_forward``,
+also inside ``nn.TransformerEncoderLayer``) are first spelled out (``decompose_attention``) and put
+back as written when the spelled-out form does not fuse (counters ``sdpa_expanded``,
+``mha_expanded``; the fallback names the library call and why).
 Requires ``detect_padding`` to have run.
 """
 from __future__ import annotations
@@ -23,10 +27,12 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..capture.pass_manager import GraphPass, PassContext
+from ..capture.pass_manager import GraphPass, PassContext, node_site
+from ..lowering.constant_check import CHECK_UNCHANGED, digest
 from ..lowering.score_mod import register_score_mod
 from ..lowering.score_mod_attention import score_mod_attention  # noqa: F401 (registers the op)
-from .attention_capture import Unsupported, capture, is_size_scalar, prove
+from .attention_capture import TableView, Unsupported, capture, is_size_scalar, prove
+from .decompose_attention import expand_library_attention, functionalise_masked_fill, restore, unbind_as_chunks
 from .detect_padding import PADDING, analyse
 from .layout import Pair, Token
 from .op_semantics import canonical, einsum_parts, example, shape_of
@@ -147,27 +153,64 @@ class FuseAttention(GraphPass):
             if info is None:
                 return
             gm.meta[PADDING] = info
+        filled = functionalise_masked_fill(gm)
+        if filled:
+            ctx.count("masked_fill_functionalised", filled)
+        unbound = unbind_as_chunks(gm)
+        if unbound:
+            ctx.count("unbind_as_chunks", unbound)
+            info = analyse(gm)  # layouts for the new nodes
+            if info is None:
+                return
         rewritten = _normalise_einsums(gm, info.layouts)
         if rewritten:
             ctx.count("einsum_as_matmul", rewritten)
+        if rewritten or filled or unbound:
             info = analyse(gm)  # layouts for the new nodes
             if info is None:
                 return
             gm.meta[PADDING] = info
+        expansions, refused = expand_library_attention(gm, info.layouts)
+        for node, reason in refused:
+            ctx.fallback(node, reason)
+        if expansions:
+            info = analyse(gm)
+            if info is None:  # cannot happen (the expansions add no validity source), but stay safe
+                for e in expansions:
+                    restore(gm, e)
+                gm.graph.eliminate_dead_code()
+                return
+            gm.meta[PADDING] = info
+        by_contraction = {e.contraction: e for e in expansions}
+        fused: set[fx.Node] = set()
         layouts, validity, N, B = info.layouts, set(info.validity), info.seq_len, info.batch
         for node in list(gm.graph.nodes):
             if canonical(node) != "matmul" or not isinstance(layouts.get(node), Token) or \
                     not isinstance(layouts.get(node.args[0]), Pair):
                 continue
+            expansion = by_contraction.get(node)
             try:
                 cap = capture(node, layouts, validity, N)
+                cap.empty_rows_zero |= expansion is not None and expansion.empty_rows_zero
                 causal = prove(cap, validity, N, set(info.padding))
                 key = self._emit(gm, node, cap, causal, info)
             except Unsupported as e:
-                ctx.fallback(e.node or node, str(e))
+                if expansion is not None:
+                    expansion.reason = str(e)
+                else:
+                    ctx.fallback(e.node or node, str(e))
                 continue
+            fused.add(node)
+            extra = {"spelling": expansion.label} if expansion is not None else {}
             ctx.rewrite("score_mod_attention", node, normalize=cap.normalize, causal=causal, dropout_p=cap.dropout_p,
-                        bias_tables=len(cap.tables), side_inputs=len(cap.sides), score_mod=key)
+                        bias_tables=len(cap.tables), side_inputs=len(cap.sides), score_mod=key,
+                        head_index=cap.uses_head, **extra)
+        for e in expansions:
+            if e.contraction in fused:
+                ctx.count(f"{e.kind}_expanded")
+            else:  # never leave the slower spelled-out form behind
+                restore(gm, e)
+                ctx.fallback(e.original, f"{e.label} kept as written: {e.reason}")
         gm.graph.eliminate_dead_code()
 
     @staticmethod
@@ -186,16 +229,16 @@ class FuseAttention(GraphPass):
             else:
                 q = k = None
             vv = _to_bnhd(g, v, lv, lv.seq, nd_v - 1)
-            valid = info.validity[0] if info.validity else g.call_function(torch.logical_not, (info.padding[0],))
+            valid = _valid_before(g, node, info)
             q_sides = [_side_dense(g, s.node, layouts[s.node], valid) for s in cap.sides if s.role == "q"]
             k_sides = [_side_dense(g, s.node, layouts[s.node], valid) for s in cap.sides if s.role == "k"]
             seed = None
             if cap.dropout_p > 0:  # a fresh mask seed per call, from the default generator
                 device = getattr(v.meta.get("example_value"), "device", None)
                 seed = g.call_function(torch.randint, (0, 2**31 - 1, (1,)), {"dtype": torch.int64, "device": device})
+            tables = [_table_input(gm, t, view, example(v).device) for t, view in zip(cap.tables, cap.views)]
             out = g.call_function(torch.ops.grcompile.score_mod_attention.default,
-                                  (q, k, vv, valid, q_sides, k_sides, [_table_arg(g, t, example(v).device)
-                                                                      for t in cap.tables], seed),
+                                  (q, k, vv, valid, q_sides, k_sides, tables, seed),
                                   {"score_mod": key, "normalize": cap.normalize, "causal": causal,
                                    "dropout_p": cap.dropout_p})
             if node.meta.get("stack_trace"):
@@ -204,6 +247,55 @@ class FuseAttention(GraphPass):
         node.replace_all_uses_with(out)
         g.erase_node(node)
         return key
+
+
+def _valid_before(g: fx.Graph, node: fx.Node, info) -> fx.Node:
+    """A ``[B, N]`` validity node usable at ``node`` (emitted at the insertion point): the mask the
+    user computes, or its negated padding mask; when the user computes it only later in the
+    program (after the attention), a copy of its computation (a comparison of the inputs)."""
+    order = {n: i for i, n in enumerate(g.nodes)}
+    for v in info.validity:
+        if order[v] < order[node]:
+            return v
+    for p in info.padding:
+        if order[p] < order[node]:
+            return g.call_function(torch.logical_not, (p,))
+    source = (info.validity or info.padding)[0]
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def copy(n: fx.Node) -> fx.Node:
+        if order[n] < order[node]:
+            return n
+        if n not in copies:
+            copies[n] = g.node_copy(n, lambda a: copy(a))
+        return copies[n]
+
+    valid = copy(source)
+    return valid if source in info.validity else g.call_function(torch.logical_not, (valid,))
+
+
+def _table_input(gm: fx.GraphModule, leaf: fx.Node, view: TableView | None, device=None) -> fx.Node:
+    """A gathered table as is; a symbolic size (``/ N`` of a dynamic graph) as a 0-d tensor; a
+    per-pair / per-head tensor compacted to its varying axes (``[H?, N?, N?]``, the order the
+    score_mod indexes; its other axes have size 1 and are squeezed, so no size is written into
+    the graph), through a runtime check of the value the proof used when that value came from a
+    buffer or tensor attribute."""
+    g = gm.graph
+    if is_size_scalar(leaf):
+        dtype = torch.int64 if isinstance(example(leaf), torch.SymInt) else torch.float64
+        return g.call_function(torch.scalar_tensor, (leaf,), {"dtype": dtype, "device": device})
+    if view is None:
+        return leaf
+    y = g.call_method("permute", (leaf, *view.order)) if view.order != sorted(view.order) else leaf
+    if view.sizes:
+        for d in reversed(range(len(view.sizes), len(view.order))):
+            y = g.call_method("squeeze", (y, d))
+    else:
+        y = g.call_method("reshape", (y, ()))
+    if view.checked:  # the proof read the value of a buffer / tensor attribute: check it on every call
+        what = f"{leaf.name} (a mask read from a buffer or tensor attribute, {node_site(leaf)})"
+        y = g.call_function(CHECK_UNCHANGED, (y, digest(view.static), what))
+    return y
 
 
 def _from_bnhd(g: fx.Graph, out: fx.Node, node: fx.Node, layout: Token) -> fx.Node:
@@ -231,12 +323,3 @@ def _from_bnhd(g: fx.Graph, out: fx.Node, node: fx.Node, layout: Token) -> fx.No
         if a not in order_roles:
             y = g.call_method("unsqueeze", (y, a))
     return y
-
-
-def _table_arg(g: fx.Graph, table: fx.Node, device) -> fx.Node:
-    """A table as is; a symbolic size (``/ N`` of a dynamic graph) as a 0-d tensor, so the
-    score_mod reads N at run time (the same score_mod for every N)."""
-    if not is_size_scalar(table):
-        return table
-    dtype = torch.int64 if isinstance(example(table), torch.SymInt) else torch.float64
-    return g.call_function(torch.scalar_tensor, (table,), {"dtype": dtype, "device": device})

@@ -36,8 +36,6 @@ NOT_YET: dict[str, str] = {
                         "LayerNorm before it stays dense (partial)",
     "sdpa_causal_last": "SDPA(is_causal=True) with no mask in the graph: detect_padding finds no padding mask, so "
                         "nothing is fused (a dense causal fusion is legal)",
-    "torch_encoder_causal": "a graph break at torch's mismatched-mask deprecation warning (float mask + bool "
-                            "src_key_padding_mask) leaves the encoder in a graph without the ids: nothing fused",
 }
 
 # models whose fallback reasons are not yet sentences naming the user's op (raw reprs)

@@ -1,8 +1,8 @@
 # grcompile graph 0: fuse_attention
 # after pass 3/5 'fuse_attention'
-# 1 rewrite(s); nodes 89 -> 75
+# 1 rewrite(s); nodes 89 -> 63
 # counters: fuse_attention.score_mod_attention=1
-#   score_mod_attention at hstu.py:37 in forward normalize=none causal=True dropout_p=0.0 bias_tables=2 side_inputs=4 score_mod=captured-0071706ec5bf
+#   score_mod_attention at hstu.py:37 in forward normalize=none causal=True dropout_p=0.0 bias_tables=2 side_inputs=4 score_mod=captured-0071706ec5bf head_index=False
 import torch
 
 class GraphModule(torch.nn.Module):
@@ -78,42 +78,26 @@ class GraphModule(torch.nn.Module):
         # File: common.py:102 in forward, code: query_ts = torch.where(next_valid, next_ts, timestamps)
         query_ts: "i64[4, 8]" = torch.where(next_valid, next_ts, l_timestamps_);  next_valid = next_ts = None
 
-        # File: common.py:103 in forward, code: delta = (query_ts.unsqueeze(2) - timestamps.unsqueeze(1)).abs().clamp(min=1)
-        unsqueeze_5: "i64[4, 8, 1]" = query_ts.unsqueeze(2);  query_ts = None
-        unsqueeze_6: "i64[4, 1, 8]" = l_timestamps_.unsqueeze(1);  l_timestamps_ = None
-
         # File: hstu.py:34 in forward, code: scores = torch.matmul(q, k.transpose(-2, -1)) + rab.unsqueeze(1)
         transpose_3: "f32[4, 2, 4, 8]" = k_1.transpose(-2, -1);  k_1 = None
-
-        # File: common.py:69 in causal_padding_mask, code: return causal.unsqueeze(0) & valid.unsqueeze(1) & valid.unsqueeze(2)
-        unsqueeze_9: "b8[4, 1, 8]" = valid.unsqueeze(1)
-        unsqueeze_10: "b8[4, 8, 1]" = valid.unsqueeze(2)
 
         # No stacktrace found for following nodes
         permute = q_1.permute(0, 2, 1, 3);  q_1 = None
         permute_1 = transpose_3.permute(0, 3, 1, 2);  transpose_3 = None
         permute_2 = v_1.permute(0, 2, 1, 3);  v_1 = None
-        permute_3 = unsqueeze_5.permute(0, 1, 2);  unsqueeze_5 = None
-        squeeze = permute_3.squeeze(2);  permute_3 = None
-        expand_as = squeeze.expand_as(valid);  squeeze = None
-        permute_4 = unsqueeze_10.permute(0, 1, 2);  unsqueeze_10 = None
-        squeeze_1 = permute_4.squeeze(2);  permute_4 = None
-        expand_as_1 = squeeze_1.expand_as(valid);  squeeze_1 = None
-        permute_5 = unsqueeze_6.permute(0, 2, 1);  unsqueeze_6 = None
-        squeeze_2 = permute_5.squeeze(2);  permute_5 = None
-        expand_as_2 = squeeze_2.expand_as(valid);  squeeze_2 = None
-        permute_6 = unsqueeze_9.permute(0, 2, 1);  unsqueeze_9 = None
-        squeeze_3 = permute_6.squeeze(2);  permute_6 = None
-        expand_as_3 = squeeze_3.expand_as(valid);  squeeze_3 = None
+        expand_as = query_ts.expand_as(valid);  query_ts = None
+        expand_as_1 = valid.expand_as(valid)
+        expand_as_2 = l_timestamps_.expand_as(valid);  l_timestamps_ = None
+        expand_as_3 = valid.expand_as(valid)
 
         # File: hstu.py:37 in forward, code: out = torch.matmul(attn, v).transpose(1, 2).reshape(B, N, H * dv)
         score_mod_attention_default = torch.ops.grcompile.score_mod_attention.default(permute, permute_1, permute_2, valid, [expand_as, expand_as_1], [expand_as_2, expand_as_3], [l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_, l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_], None, score_mod = 'captured-0071706ec5bf', normalize = 'none', causal = True, dropout_p = 0.0);  permute = permute_1 = permute_2 = expand_as = expand_as_1 = expand_as_2 = expand_as_3 = l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_ = l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_ = None
 
         # No stacktrace found for following nodes
-        permute_7 = score_mod_attention_default.permute(0, 2, 1, 3);  score_mod_attention_default = None
+        permute_3 = score_mod_attention_default.permute(0, 2, 1, 3);  score_mod_attention_default = None
 
         # File: hstu.py:37 in forward, code: out = torch.matmul(attn, v).transpose(1, 2).reshape(B, N, H * dv)
-        transpose_4: "f32[4, 8, 2, 4]" = permute_7.transpose(1, 2);  permute_7 = None
+        transpose_4: "f32[4, 8, 2, 4]" = permute_3.transpose(1, 2);  permute_3 = None
         out: "f32[4, 8, 8]" = transpose_4.reshape(4, 8, 8);  transpose_4 = None
 
         # File: hstu.py:39 in forward, code: gated = u * F.layer_norm(out, (H * dv,), eps=1e-6)

@@ -1,6 +1,6 @@
 # grcompile graph 0: jagged_rewrite
 # after pass 4/5 'jagged_rewrite'
-# 6 rewrite(s); nodes 75 -> 96
+# 6 rewrite(s); nodes 63 -> 84
 # counters: jagged_rewrite.embedding=1, jagged_rewrite.exit_dense=1, jagged_rewrite.jagged_attention=1, jagged_rewrite.layer_norm=2, jagged_rewrite.linear=2
 #   embedding at common.py:46 in forward
 #   layer_norm at hstu.py:27 in forward
@@ -47,12 +47,12 @@ class GraphModule(torch.nn.Module):
         unsqueeze: "f32[1, 8, 8]" = embedding_1.unsqueeze(0);  embedding_1 = None
 
         # No stacktrace found for following nodes
-        permute_8 = unsqueeze.permute(1, 0, 2);  unsqueeze = None
-        getitem_11 = permute_8[mod];  permute_8 = None
-        squeeze_4 = getitem_11.squeeze(1);  getitem_11 = None
+        permute_4 = unsqueeze.permute(1, 0, 2);  unsqueeze = None
+        getitem_11 = permute_4[mod];  permute_4 = None
+        squeeze = getitem_11.squeeze(1);  getitem_11 = None
 
         # File: common.py:50 in forward, code: x = x + self.position_embedding(positions).unsqueeze(0)
-        add_5 = mul_5 + squeeze_4;  mul_5 = squeeze_4 = None
+        add_5 = mul_5 + squeeze;  mul_5 = squeeze = None
 
         # File: common.py:51 in forward, code: x = self.input_dropout(x) * valid.unsqueeze(-1)
         dropout_2 = torch.nn.functional.dropout(add_5, 0.0, True, False);  add_5 = None
@@ -79,15 +79,15 @@ class GraphModule(torch.nn.Module):
 
         # File: hstu.py:29 in forward, code: q = q.view(B, N, H, dqk).transpose(1, 2)
         reshape_1 = getitem_15.reshape(-1, 2, 4);  getitem_15 = None
-        permute_9 = reshape_1.permute(0, 1, 2);  reshape_1 = None
+        permute_5 = reshape_1.permute(0, 1, 2);  reshape_1 = None
 
         # File: hstu.py:30 in forward, code: k = k.view(B, N, H, dqk).transpose(1, 2)
         reshape_2 = getitem_16.reshape(-1, 2, 4);  getitem_16 = None
-        permute_10 = reshape_2.permute(0, 1, 2);  reshape_2 = None
+        permute_6 = reshape_2.permute(0, 1, 2);  reshape_2 = None
 
         # File: hstu.py:31 in forward, code: v = v.view(B, N, H, dv).transpose(1, 2)
         reshape_3 = getitem_14.reshape(-1, 2, 4);  getitem_14 = None
-        permute_11 = reshape_3.permute(0, 1, 2);  reshape_3 = None
+        permute_7 = reshape_3.permute(0, 1, 2);  reshape_3 = None
 
         # File: common.py:100 in forward, code: next_ts = torch.cat([timestamps[:, 1:], timestamps[:, -1:]], dim=1)
         getitem_5: "i64[4, 7]" = l_timestamps_[(slice(None, None, None), slice(1, None, None))]
@@ -103,51 +103,35 @@ class GraphModule(torch.nn.Module):
         # File: common.py:102 in forward, code: query_ts = torch.where(next_valid, next_ts, timestamps)
         query_ts: "i64[4, 8]" = torch.where(next_valid, next_ts, l_timestamps_);  next_valid = next_ts = None
 
-        # File: common.py:103 in forward, code: delta = (query_ts.unsqueeze(2) - timestamps.unsqueeze(1)).abs().clamp(min=1)
-        unsqueeze_5: "i64[4, 8, 1]" = query_ts.unsqueeze(2);  query_ts = None
-        unsqueeze_6: "i64[4, 1, 8]" = l_timestamps_.unsqueeze(1);  l_timestamps_ = None
-
         # File: hstu.py:34 in forward, code: scores = torch.matmul(q, k.transpose(-2, -1)) + rab.unsqueeze(1)
-        permute_12 = permute_10.permute(0, 1, 2);  permute_10 = None
-
-        # File: common.py:69 in causal_padding_mask, code: return causal.unsqueeze(0) & valid.unsqueeze(1) & valid.unsqueeze(2)
-        unsqueeze_9: "b8[4, 1, 8]" = valid.unsqueeze(1)
-        unsqueeze_10: "b8[4, 8, 1]" = valid.unsqueeze(2)
+        permute_8 = permute_6.permute(0, 1, 2);  permute_6 = None
 
         # No stacktrace found for following nodes
-        permute_13 = permute_9.permute(0, 1, 2);  permute_9 = None
-        permute_14 = permute_12.permute(0, 1, 2);  permute_12 = None
-        permute_15 = permute_11.permute(0, 1, 2);  permute_11 = None
-        permute_3: "i64[4, 8, 1]" = unsqueeze_5.permute(0, 1, 2);  unsqueeze_5 = None
-        squeeze: "i64[4, 8]" = permute_3.squeeze(2);  permute_3 = None
-        expand_as: "i64[4, 8]" = squeeze.expand_as(valid);  squeeze = None
+        permute_9 = permute_5.permute(0, 1, 2);  permute_5 = None
+        permute_10 = permute_8.permute(0, 1, 2);  permute_8 = None
+        permute_11 = permute_7.permute(0, 1, 2);  permute_7 = None
+        expand_as: "i64[4, 8]" = query_ts.expand_as(valid);  query_ts = None
         flatten_2 = expand_as.flatten(0, 1);  expand_as = None
         getitem_17 = flatten_2[pack_index_default];  flatten_2 = None
-        permute_4: "b8[4, 8, 1]" = unsqueeze_10.permute(0, 1, 2);  unsqueeze_10 = None
-        squeeze_1: "b8[4, 8]" = permute_4.squeeze(2);  permute_4 = None
-        expand_as_1: "b8[4, 8]" = squeeze_1.expand_as(valid);  squeeze_1 = None
+        expand_as_1: "b8[4, 8]" = valid.expand_as(valid)
         flatten_3 = expand_as_1.flatten(0, 1);  expand_as_1 = None
         getitem_18 = flatten_3[pack_index_default];  flatten_3 = None
-        permute_5: "i64[4, 8, 1]" = unsqueeze_6.permute(0, 2, 1);  unsqueeze_6 = None
-        squeeze_2: "i64[4, 8]" = permute_5.squeeze(2);  permute_5 = None
-        expand_as_2: "i64[4, 8]" = squeeze_2.expand_as(valid);  squeeze_2 = None
+        expand_as_2: "i64[4, 8]" = l_timestamps_.expand_as(valid);  l_timestamps_ = None
         flatten_4 = expand_as_2.flatten(0, 1);  expand_as_2 = None
         getitem_19 = flatten_4[pack_index_default];  flatten_4 = None
-        permute_6: "b8[4, 8, 1]" = unsqueeze_9.permute(0, 2, 1);  unsqueeze_9 = None
-        squeeze_3: "b8[4, 8]" = permute_6.squeeze(2);  permute_6 = None
-        expand_as_3: "b8[4, 8]" = squeeze_3.expand_as(valid);  squeeze_3 = None
+        expand_as_3: "b8[4, 8]" = valid.expand_as(valid)
         flatten_5 = expand_as_3.flatten(0, 1);  expand_as_3 = None
         getitem_20 = flatten_5[pack_index_default];  flatten_5 = None
 
         # File: hstu.py:37 in forward, code: out = torch.matmul(attn, v).transpose(1, 2).reshape(B, N, H * dv)
-        jagged_attention_default = torch.ops.grcompile.jagged_attention.default(permute_13, permute_14, permute_15, valid_to_offsets, mod, [getitem_17, getitem_18], [getitem_19, getitem_20], [l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_, l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_], None, score_mod = 'captured-0071706ec5bf', use_qk = True, activation = 'identity', scale = 1.0, out_scale = 1.0, causal = True, max_len = 8, dropout_p = 0.0);  permute_13 = permute_14 = permute_15 = valid_to_offsets = mod = getitem_17 = getitem_18 = getitem_19 = getitem_20 = l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_ = l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_ = None
+        jagged_attention_default = torch.ops.grcompile.jagged_attention.default(permute_9, permute_10, permute_11, valid_to_offsets, mod, [getitem_17, getitem_18], [getitem_19, getitem_20], [l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_, l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_], None, score_mod = 'captured-0071706ec5bf', use_qk = True, activation = 'identity', scale = 1.0, out_scale = 1.0, causal = True, max_len = 8, dropout_p = 0.0);  permute_9 = permute_10 = permute_11 = valid_to_offsets = mod = getitem_17 = getitem_18 = getitem_19 = getitem_20 = l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_ = l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_ = None
 
         # No stacktrace found for following nodes
-        permute_16 = jagged_attention_default.permute(0, 1, 2);  jagged_attention_default = None
+        permute_12 = jagged_attention_default.permute(0, 1, 2);  jagged_attention_default = None
 
         # File: hstu.py:37 in forward, code: out = torch.matmul(attn, v).transpose(1, 2).reshape(B, N, H * dv)
-        permute_17 = permute_16.permute(0, 1, 2);  permute_16 = None
-        reshape_4 = permute_17.reshape(-1, 8);  permute_17 = None
+        permute_13 = permute_12.permute(0, 1, 2);  permute_12 = None
+        reshape_4 = permute_13.reshape(-1, 8);  permute_13 = None
 
         # File: hstu.py:39 in forward, code: gated = u * F.layer_norm(out, (H * dv,), eps=1e-6)
         layer_norm_3 = torch.nn.functional.layer_norm(reshape_4, (8,), eps = 1e-06);  reshape_4 = None
