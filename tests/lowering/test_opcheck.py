@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import grcompile
 import grcompile.lowering.checks  # noqa: F401 (registers grcompile::check_index)
-import grcompile.lowering.constant_check  # noqa: F401 (registers grcompile::check_unchanged)
+from grcompile.lowering.constant_check import digest  # (registers grcompile::check_unchanged)
 from grcompile.lowering import jagged as J
 from grcompile.lowering.score_mod import hstu_rab_key, register_score_mod
 from grcompile.runtime import shard_embeddings
@@ -198,8 +198,10 @@ def test_check_index(layout: str) -> None:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_check_unchanged(layout: str) -> None:
     mask = LAYOUTS[layout](torch.ones(5, 5).tril().bool())
-    opcheck(torch.ops.grcompile.check_unchanged.default, (mask, mask.contiguous(), "the test mask"))
-    opcheck(torch.ops.grcompile.check_unchanged.default, (mask[:0], mask[:0].contiguous(), "the test mask"))
+    opcheck(torch.ops.grcompile.check_unchanged.default, (mask, digest(mask), "the test mask"))
+    opcheck(torch.ops.grcompile.check_unchanged.default, (mask[:0], digest(mask[:0]), "the test mask"))
+    with pytest.raises(RuntimeError, match="changed after grcompile compiled"):
+        torch.ops.grcompile.check_unchanged(mask, digest(~mask), "the test mask")
 
 
 # --- sparse_lookup (+ backward), on a one-process runtime ---------------------------------------
