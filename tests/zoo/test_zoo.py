@@ -155,3 +155,27 @@ def test_user_jagged_ops_do_not_recompile_per_length_mix():
     for seed in (1, 2, 3):
         pair.step(BATCH, MAX_LEN, seed=seed, train=True)
     assert pair.report().compiles == compiles, pair.report()
+
+
+def test_dense_models_really_read_their_padding():
+    """The models that must stay dense do depend on padding at valid positions (so packing them would
+    be wrong, and the exactness tests above would see it): TiSASRec's valid queries read padded keys
+    (change the time intervals towards padded keys only: valid outputs move); LinRec's sequence-axis
+    softmax counts padded positions (pad two more positions: valid outputs move)."""
+    user, _ = load("tisasrec")
+    model = user.module.eval()
+    seq, interval = user.batch(BATCH, MAX_LEN, 0)
+    valid = seq != 0
+    towards_padding = valid[:, :, None] & ~valid[:, None, :]  # (valid query, padded key)
+    assert towards_padding.any()
+    with torch.no_grad():
+        moved = model(seq, torch.where(towards_padding, (interval + 3) % 17, interval)) - model(seq, interval)
+    assert moved[valid].abs().max() > 1e-3
+
+    user, _ = load("linrec", max_len=MAX_LEN + 2)
+    model = user.module.eval()
+    ids = user.batch(BATCH, MAX_LEN, 0)[0]
+    with torch.no_grad():
+        short, longer = model(ids), model(torch.nn.functional.pad(ids, (0, 2)))
+    valid = ids != 0
+    assert (longer[:, :MAX_LEN] - short)[valid].abs().max() > 1e-3
