@@ -133,7 +133,9 @@ def run_sequence(name: str, lowering: str, shapes: tuple[tuple[int, int], ...] =
     _FIRST_REPORTS.setdefault((name, lowering), first)
     if eval_grad:
         pair.step(BATCH, MAX_LEN, seed=1, train=False)
+    before = fused_count(pair.report())
     pair.step(BATCH, MAX_LEN, seed=2, train=False, grad=False)
+    _EVAL_FUSED.setdefault((name, lowering), fused_count(pair.report()) - before)
     pair.step(BATCH, MAX_LEN, seed=3, train=True)
     for i, (b, n) in enumerate(shapes):
         pair.step(b, n, seed=10 + i, train=True)
@@ -165,6 +167,7 @@ def run_with_dropout(name: str, lowering: str, dropout: float = 0.3) -> None:
 
 
 _FIRST_REPORTS: dict[tuple[str, str], grcompile.Report] = {}
+_EVAL_FUSED: dict[tuple[str, str], int] = {}
 
 
 def first_report(name: str, lowering: str = "eager") -> grcompile.Report:
@@ -176,6 +179,17 @@ def first_report(name: str, lowering: str = "eager") -> grcompile.Report:
         pair.step(BATCH, MAX_LEN, seed=0, train=True)
         _FIRST_REPORTS[(name, lowering)] = copy.deepcopy(pair.report())
     return _FIRST_REPORTS[(name, lowering)]
+
+
+def eval_fused_count(name: str, lowering: str = "eager") -> int:
+    """Attentions fused in the ``no_grad`` eval graph (inference: nothing requires a gradient).
+    Reuses ``run_sequence``'s eval step when it ran in this process."""
+    if (name, lowering) not in _EVAL_FUSED:
+        user, _ = load(name)
+        pair = Pair(user, lowering)
+        pair.step(BATCH, MAX_LEN, seed=2, train=False, grad=False)
+        _EVAL_FUSED[(name, lowering)] = fused_count(pair.report())
+    return _EVAL_FUSED[(name, lowering)]
 
 
 def fused_count(report: grcompile.Report) -> int:

@@ -56,6 +56,7 @@ def row(name: str, lowering: str) -> dict:
                        + _short("; ".join(r.splitlines()[0] for r in report.graph_break_reasons)))
     module = sys.modules[f"tests.zoo.{name}"]
     return {"name": name, "style": _first_line(module.__doc__), "fused": fused_count(first),
+            "fused_eval": fused_count(report) - fused_count(first) if first is not report else None,
             "fused_expected": expect["fused_attention"], "jagged": jagged_status(first),
             "jagged_expected": expect["jagged"], "exact": exact, "error": error, "reasons": reasons, "dense_reason": expect["dense_reason"]}
 
@@ -73,14 +74,16 @@ def render(rows: list[dict], lowering: str, seconds: float) -> str:
         f"{torch.__version__}, {lowering} lowering, B={BATCH} N={MAX_LEN}, {seconds:.0f} s). Each model is a file in "
         "[tests/zoo/](../tests/zoo/) written in the style of a public codebase; its `EXPECT` says what is *legal* "
         "on it (the target), this table what today's default pipeline does on one training step and one "
-        "`no_grad` eval step (values and gradients checked against eager: *exact*). *jagged*: y = the row-wise "
+        "`no_grad` eval step (values and gradients checked against eager: *exact*). *fused*: in the training "
+        "graph, then (in parentheses) in the `no_grad` eval graph. *jagged* (training graph): y = the row-wise "
         "block runs on packed `[T, D]` values, partial = packed but part of it (a reported fallback) stays dense, "
         "n = dense.",
         "",
         f"**{exact}/{len(rows)} exact; attention fused as expected in {fused_ok}/{len(rows)}; row-wise block "
         f"jagged as expected in {jagged_ok}/{len(rows)}.**",
         "",
-        "| model | style | attention fused / expected | row-wise block jagged (expected) | exact | fallbacks and graph breaks (shortened) |",
+        "| model | style | attention fused / expected (eval) | row-wise block jagged (expected) | exact "
+        "| fallbacks and graph breaks (shortened) |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -88,7 +91,8 @@ def render(rows: list[dict], lowering: str, seconds: float) -> str:
         if r["error"]:
             reasons = f"{_short(r['error'], 160)}; {reasons}"
         jag = f"{r['jagged']} ({yn(r['jagged_expected'])})"
-        lines.append(f"| `{r['name']}` | {r['style']} | {r['fused']} / {r['fused_expected']} | {jag} | {r['exact']} "
+        fused = f"{r['fused']} / {r['fused_expected']} ({'?' if r['fused_eval'] is None else r['fused_eval']})"
+        lines.append(f"| `{r['name']}` | {r['style']} | {fused} | {jag} | {r['exact']} "
                      f"| {reasons} |")
     lines += ["", "Models expected to stay (partly) dense, and why:", ""]
     lines += [f"- `{r['name']}`: {r['dense_reason']}" for r in rows if r["dense_reason"]]
