@@ -65,6 +65,7 @@ def render(rows: list[dict], lowering: str, seconds: float) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     yn = lambda b: "y" if b else "n"
     fused_ok = sum(r["fused"] == r["fused_expected"] for r in rows)
+    eval_ok = sum(r["fused_eval"] == r["fused_expected"] for r in rows)
     jagged_ok = sum((r["jagged"] == "y") == r["jagged_expected"] for r in rows)
     exact = sum(r["exact"] == "y" for r in rows)
     lines = [
@@ -79,7 +80,8 @@ def render(rows: list[dict], lowering: str, seconds: float) -> str:
         "block runs on packed `[T, D]` values, partial = packed but part of it (a reported fallback) stays dense, "
         "n = dense.",
         "",
-        f"**{exact}/{len(rows)} exact; attention fused as expected in {fused_ok}/{len(rows)}; row-wise block "
+        f"**{exact}/{len(rows)} exact; attention fused as expected in {fused_ok}/{len(rows)} (in the eval graph: "
+        f"{eval_ok}/{len(rows)}); row-wise block "
         f"jagged as expected in {jagged_ok}/{len(rows)}.**",
         "",
         "| model | style | attention fused / expected (eval) | row-wise block jagged (expected) | exact "
