@@ -20,7 +20,7 @@ from typing import Any, Hashable
 import torch
 import torch.fx as fx
 
-from .op_semantics import arg, canonical, einsum_parts, example, shape_of
+from .op_semantics import PARTIAL, arg, basic_index_axes, canonical, einsum_parts, example, shape_of
 from .symbolic import is_one, known_eq
 
 __all__ = ["AxisClasses"]
@@ -206,28 +206,16 @@ class AxisClasses:
         if any(isinstance(i, fx.Node) for i in items):
             self._advanced(node, x, xs, out, items)
             return
-        explicit = sum(1 for i in items if i is not None and i is not Ellipsis)
-        mapping: dict[int, int] = {}
-        src = dst = 0
-        for item in items:
-            if item is Ellipsis:
-                for _ in range(len(xs) - explicit):
-                    mapping[src] = dst
-                    src, dst = src + 1, dst + 1
-            elif item is None:
-                dst += 1
-            elif isinstance(item, int):
-                src += 1
-            elif isinstance(item, slice):
-                if item == slice(None) or (item.start in (None, 0) and item.step in (None, 1)
-                                           and known_eq(out[dst], xs[src])):
-                    mapping[src] = dst  # a full slice; a partial one shifts positions: not the same index
-                src, dst = src + 1, dst + 1
-            else:
-                return
-        while src < len(xs):
-            mapping[src] = dst
-            src, dst = src + 1, dst + 1
+
+        def keeps_axis(item: slice, src: int, dst: int) -> bool:
+            # a full slice; a partial one shifts positions: not the same index
+            return item == slice(None) or (item.start in (None, 0) and item.step in (None, 1)
+                                           and known_eq(out[dst], xs[src]))
+
+        axes = basic_index_axes(items, len(xs), keeps_axis)
+        if axes is None:
+            return
+        mapping = {s: d for s, d in axes.items() if d is not None and d != PARTIAL}
         self._mapped(node, x, mapping)
 
     def _advanced(self, node: fx.Node, x: fx.Node, xs: tuple, out: tuple, items: tuple) -> None:

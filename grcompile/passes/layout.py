@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from .op_semantics import arg, canonical, einsum_parts, example, shape_of
+from .op_semantics import PARTIAL, arg, basic_index_axes, canonical, einsum_parts, example, shape_of
 from .symbolic import is_one, known_eq, known_ge, prod
 
 
@@ -136,32 +136,17 @@ def _getitem(layout: Token | Pair, index: Any, in_shape: tuple[int, ...], out_nd
     items = index if isinstance(index, tuple) else (index,)
     if any(isinstance(i, fx.Node) for i in items):
         return None  # advanced indexing of a padded tensor: a gather along unknown axes
-    explicit = sum(1 for i in items if i is not None and i is not Ellipsis)
-    mapping: dict[int, int | None] = {}
-    src = dst = 0
-    for item in items:
-        if item is Ellipsis:
-            for _ in range(len(in_shape) - explicit):
-                mapping[src] = dst
-                src, dst = src + 1, dst + 1
-        elif item is None:
-            dst += 1
-        elif isinstance(item, int):
-            mapping[src] = None
-            src += 1
-        elif isinstance(item, slice):
-            stop = example(item.stop)  # an int, or the SymInt of a node (x[:, :N] with symbolic N)
-            full = item.step in (None, 1) and item.start in (None, 0) and (
-                item.stop is None or known_ge(stop, in_shape[src]))
-            mapping[src] = dst if full else -1  # -1: a token axis sliced => sequence shift
-            src, dst = src + 1, dst + 1
-        else:
-            return None
-    while src < len(in_shape):
-        mapping[src] = dst
-        src, dst = src + 1, dst + 1
-    if any(mapping.get(a) == -1 for a in layout.axes().values()):
+
+    def keeps_axis(item: slice, src: int, dst: int) -> bool:
+        stop = example(item.stop)  # an int, or the SymInt of a node (x[:, :N] with symbolic N)
+        return item.step in (None, 1) and item.start in (None, 0) and (
+            item.stop is None or known_ge(stop, in_shape[src]))
+
+    mapping = basic_index_axes(items, len(in_shape), keeps_axis)
+    if mapping is None:
         return None
+    if any(mapping.get(a) == PARTIAL for a in layout.axes().values()):
+        return None  # a token axis sliced: a sequence shift
     return _shift(layout, lambda a: mapping.get(a), out_ndim)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -150,6 +150,39 @@ def einsum_parts(node: fx.Node) -> tuple[list[str], str, tuple] | None:
     if len(specs) != len(operands) or not all(re.fullmatch(r"[a-zA-Z]*", x) for x in (*specs, out)):
         return None
     return specs, out, operands
+
+
+PARTIAL = -1  # basic_index_axes: a slice that keeps only part of its axis
+
+
+def basic_index_axes(items: tuple, ndim: int,
+                     keeps_axis: Callable[[slice, int, int], bool]) -> dict[int, int | None] | None:
+    """Axis map of basic indexing ``x[items]`` (ints, slices, ``None``, ``Ellipsis``; no tensors):
+    input axis -> output axis; ``None`` where an int index removes the axis, ``PARTIAL`` where a
+    slice keeps only part of it (``keeps_axis(item, src_axis, dst_axis)`` is false). ``None`` for any
+    other index item."""
+    explicit = sum(1 for i in items if i is not None and i is not Ellipsis)
+    mapping: dict[int, int | None] = {}
+    src = dst = 0
+    for item in items:
+        if item is Ellipsis:
+            for _ in range(ndim - explicit):
+                mapping[src] = dst
+                src, dst = src + 1, dst + 1
+        elif item is None:
+            dst += 1
+        elif isinstance(item, int):
+            mapping[src] = None
+            src += 1
+        elif isinstance(item, slice):
+            mapping[src] = dst if keeps_axis(item, src, dst) else PARTIAL
+            src, dst = src + 1, dst + 1
+        else:
+            return None
+    while src < ndim:
+        mapping[src] = dst
+        src, dst = src + 1, dst + 1
+    return mapping
 
 
 def shape_of(value: Any) -> tuple[int | torch.SymInt, ...] | None:
