@@ -20,7 +20,7 @@ from typing import Any, Hashable
 import torch
 import torch.fx as fx
 
-from .op_semantics import PARTIAL, arg, basic_index_axes, canonical, einsum_parts, example, shape_of
+from .op_semantics import PARTIAL, arg, basic_index_axes, canonical, einsum_parts, example, reduce_options, shape_of
 from .symbolic import is_one, known_eq
 
 __all__ = ["AxisClasses"]
@@ -257,11 +257,10 @@ class AxisClasses:
                 self.union((x, i), (index, i))
 
     def _reduce(self, node: fx.Node, x: fx.Node, xs: tuple, nd: int) -> None:
-        dims = arg(node, 1, "dim")
+        dims, keep = reduce_options(node)
         if dims is None:
             return
         dims = {_norm(d, len(xs)) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
-        keep = bool(arg(node, 2, "keepdim", False))
         mapping, j = {}, 0
         for i in range(len(xs)):
             if i in dims:

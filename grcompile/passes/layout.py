@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from .op_semantics import PARTIAL, arg, basic_index_axes, canonical, einsum_parts, example, shape_of
+from .op_semantics import PARTIAL, arg, basic_index_axes, canonical, einsum_parts, example, reduce_options, shape_of
 from .symbolic import is_one, known_eq, known_ge, prod
 
 
@@ -287,13 +287,12 @@ def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
             return lx if d == lx.k else None
         return lx if not _touches(lx, {d}) else None
     if op == "reduce":
-        dims = arg(node, 1, "dim")
+        dims, keep = reduce_options(node)
         if dims is None:
             return None
         dims = {_norm_dim(d, len(in_shape)) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
         if _touches(lx, dims):
             return None
-        keep = bool(arg(node, 2, "keepdim", False))
         return _shift(lx, lambda a: a if keep else a - sum(d < a for d in dims), nd)
     if op == "cat":
         tensors = arg(node, 0, "tensors")

@@ -129,6 +129,18 @@ def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     return node.kwargs.get(name, default)
 
 
+def reduce_options(node: fx.Node) -> tuple[Any, bool]:
+    """``(dim, keepdim)`` of a ``"reduce"`` node, ``dim`` as written (``None``: all axes).
+
+    ``var`` / ``std`` take ``unbiased`` before ``keepdim`` (``x.var(dim, unbiased, keepdim)``) and
+    accept ``x.var(unbiased)``; the other reductions take ``keepdim`` third."""
+    moment = node.target in ("var", "std") if node.op == "call_method" else node.target in (torch.var, torch.std)
+    dim = arg(node, 1, "dim")
+    if moment and isinstance(dim, bool):  # x.var(unbiased)
+        return None, bool(node.kwargs.get("keepdim", False))
+    return dim, bool(arg(node, 3 if moment else 2, "keepdim", False))
+
+
 def example(value: Any) -> Any:
     """The example value Dynamo recorded for a node (a FakeTensor), or the value itself."""
     if isinstance(value, fx.Node):

@@ -151,3 +151,20 @@ def test_lengths_are_per_row_through_an_advanced_index():
     ids = batch(5, 5, 1)[0]  # B == N == 5 as well
     layouts = input_layouts(capture(LastPosition(), ids, (ids != 0).sum(1)))
     assert layouts["l_lengths_"] == Token(0, None, 1) and layouts["l_ids_"] == Token(0, 1, 2)
+
+
+@pytest.mark.parametrize("spelling, dim, keepdim", [
+    ("x.var(1, False, True)", 1, True),
+    ("x.std(1, True)", 1, False),
+    ("x.var(False)", None, False),
+    ("torch.var(x, 1, True, True)", 1, True),
+    ("x.var(1, correction=0, keepdim=True)", 1, True),
+    ("x.sum(1, True)", 1, True),
+    ("x.amax(dim=1)", 1, False),
+])
+def test_reduce_options_read_unbiased_before_keepdim(spelling, dim, keepdim):
+    from grcompile.passes.op_semantics import reduce_options
+
+    gm = fx.symbolic_trace(eval(f"lambda x: {spelling}"))
+    (node,) = [n for n in gm.graph.nodes if n.op in ("call_method", "call_function")]
+    assert reduce_options(node) == (dim, keepdim)

@@ -111,10 +111,13 @@ def counter(report, key):
 class LateMask(nn.Module):
     """The embedding, a projection and a hand-written LayerNorm run before the mask is built (the
     RecBole / SASRec.pytorch order); causal attention masked with it; a std-based LayerNorm after.
-    Position embeddings index ``arange(N)``: the *padded* coordinate, whatever the padding."""
+    Position embeddings index ``arange(N)``: the *padded* coordinate, whatever the padding.
+    ``positional_moments``: ``x.var(-1, False, True)`` / ``h.std(-1, True, True)`` (unbiased and
+    keepdim by position: the third argument of var/std is ``unbiased``, not ``keepdim``)."""
 
-    def __init__(self):
+    def __init__(self, positional_moments: bool = False):
         super().__init__()
+        self.positional_moments = positional_moments
         self.item = nn.Embedding(V, D, padding_idx=0)
         self.pos = nn.Embedding(N, D)
         self.inp = nn.Linear(D, D)
@@ -127,14 +130,16 @@ class LateMask(nn.Module):
         x = self.item(ids) * math.sqrt(D) + self.pos(torch.arange(n, device=ids.device))
         x = F.gelu(self.inp(self.drop(x)))
         mu = x.mean(-1, keepdim=True)
-        x = (x - mu) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + 1e-6)
+        var = x.var(-1, False, True) if self.positional_moments else x.var(-1, unbiased=False, keepdim=True)
+        x = (x - mu) / torch.sqrt(var + 1e-6)
         valid = ids != 0                       # the mask, only now
         x = x * valid.unsqueeze(-1)
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         allowed = torch.tril(torch.ones(n, n, dtype=torch.bool, device=ids.device)) & valid[:, None, :]
         a = torch.softmax((q @ k.transpose(1, 2) / math.sqrt(D)).masked_fill(~allowed, -1e9), dim=-1) @ v
         h = x + self.out(a)
-        h = (h - h.mean(-1, keepdim=True)) / (h.std(-1, keepdim=True) + 1e-6)
+        std = h.std(-1, True, True) if self.positional_moments else h.std(-1, keepdim=True)
+        h = (h - h.mean(-1, keepdim=True)) / (std + 1e-6)
         return h * valid.unsqueeze(-1)
 
 
@@ -150,6 +155,16 @@ def test_mask_computed_late_any_validity_pattern(pattern):
     assert {"embedding", "linear", "jagged_attention"} <= set(jagged_ops(report))
     assert jagged_fallbacks(report) == []
     assert report.compiles == 1
+
+
+def test_positional_var_std_options_read_as_unbiased_then_keepdim():
+    torch.manual_seed(0)
+    model = LateMask(positional_moments=True).double()
+    valid = lambda ids: ids != 0  # noqa: E731
+    optimized, report = check(model, (make_ids([0, 1, N, 5, 3], "right"),), tokens(valid), train=True)
+    check(model, (make_ids([2, 0, 7, N, 1], "right", seed=1),), tokens(valid), train=False, optimized=optimized)
+    assert {"embedding", "linear", "jagged_attention"} <= set(jagged_ops(report))
+    assert jagged_fallbacks(report) == []
 
 
 # ------------------------------------------------------------------ item 6: exits
