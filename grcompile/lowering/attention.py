@@ -50,6 +50,7 @@ import functools
 import math
 import os
 import types
+import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -188,7 +189,12 @@ def plan_buckets(lengths: Sequence[int], waste: Optional[float] = None,
 
 def _chunks(offs: list[int], heads: int, causal: bool, device: torch.device, budget: Optional[int] = None):
     """Yield ``(q_index [n, Lq], q_valid, k_index [n, Lk], k_valid)`` per chunk: the token of each
-    slot (a padded slot repeats its row's last real token) and whether the slot is real."""
+    slot (a padded slot repeats its row's last real token) and whether the slot is real.
+
+    ``n``, ``Lq`` and ``Lk`` are at least 2 (a lone row is paired with a copy of itself whose slots
+    are all padding, a one-token block gets a padding slot): the compiled chunk kernel is dynamic
+    in them, and a size of 1 would be a specialisation, hence a recompile, in the middle of
+    training."""
     budget = CHUNK_ELEMENTS if budget is None else budget
     lengths = [b - a for a, b in zip(offs[:-1], offs[1:])]
     for bucket in plan_buckets(lengths):
@@ -198,18 +204,22 @@ def _chunks(offs: list[int], heads: int, causal: bool, device: torch.device, bud
         for c in range(0, len(bucket), rows_per_chunk):
             rows = bucket[c:c + rows_per_chunk]
             L = lengths[rows[0]]  # longest of this chunk
+            q_block = L if len(rows) > 1 or heads * L * L <= budget else max(MIN_Q_BLOCK, budget // (heads * L))
+            live = [True] * len(rows) + [False] * (len(rows) < 2)
+            rows = rows + rows[:1] * (len(rows) < 2)
             starts = torch.tensor([offs[r] for r in rows], dtype=torch.int64, device=device)
             lens = torch.tensor([lengths[r] for r in rows], dtype=torch.int64, device=device)
-            q_block = L if len(rows) > 1 or heads * L * L <= budget else max(MIN_Q_BLOCK, budget // (heads * L))
+            live_t = torch.tensor(live, dtype=torch.bool, device=device)
             for q0 in range(0, L, q_block):
                 q1 = min(L, q0 + q_block)
                 k1 = q1 if causal else L  # positions increase within a row: later keys are masked
-                yield _slots(starts, lens, q0, q1, device) + _slots(starts, lens, 0, k1, device)
+                yield _slots(starts, lens, live_t, q0, q1, device) + _slots(starts, lens, live_t, 0, k1, device)
 
 
-def _slots(starts, lens, lo: int, hi: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    ar = torch.arange(lo, hi, dtype=torch.int64, device=device).unsqueeze(0)
-    valid = ar < lens.unsqueeze(1)
+def _slots(starts, lens, live, lo: int, hi: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots ``lo .. max(hi, lo + 2)`` of each row; those at or past ``hi`` are padding."""
+    ar = torch.arange(lo, max(hi, lo + 2), dtype=torch.int64, device=device).unsqueeze(0)
+    valid = (ar < lens.unsqueeze(1)) & (ar < hi) & live.unsqueeze(1)
     index = starts.unsqueeze(1) + torch.minimum(ar, lens.unsqueeze(1) - 1)
     return index, valid
 
@@ -304,10 +314,12 @@ def _chunk_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activatio
     fused loop instead of a dozen eager passes over ``[n, H, Lq, Lk]`` (2x on the HSTU backward at
     ML-1M size). The forward and the recomputing backward get the same kernel from here.
 
-    Each option set gets its own copy of the code object, so Dynamo's per-code cache (and its
-    recompile limit, 8: enough for the 0/1-size specialisations) is not shared by unrelated
-    score_mods. ``GRCOMPILE_COMPILE_CHUNKS=0`` (or ``COMPILE_CHUNKS = False``) runs the plain eager
-    chunk instead."""
+    Each option set gets its own function (a copy of the code object, the options as keyword
+    defaults, no ``functools.partial``: Dynamo would trace a wrapper shared by all of them), so
+    Dynamo's per-code cache and its recompile limit (8) are not shared by unrelated score_mods.
+    Duck sizing is off while it compiles: equal sizes in one chunk (``n == Lq``) must not become a
+    guard that the next chunk fails. ``GRCOMPILE_COMPILE_CHUNKS=0`` (or ``COMPILE_CHUNKS = False``)
+    runs the plain eager chunk instead."""
     mod = get_score_mod(score_mod) if score_mod else None
     p = torch.tensor(dropout_p, dtype=torch.float64)
     options = dict(mod=mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
@@ -320,8 +332,53 @@ def _chunk_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activatio
         code = _chunk_attention.__code__
         own = types.FunctionType(code.replace(co_name=f"{code.co_name}_{len(_COMPILED_CHUNKS)}"),
                                  _chunk_attention.__globals__, code.co_name)
-        fn = _COMPILED_CHUNKS[key] = torch.compile(functools.partial(own, **options), dynamic=True)
+        own.__kwdefaults__ = options
+        fn = _COMPILED_CHUNKS[key] = _CompiledChunk(torch.compile(own, dynamic=True, options=_inductor_options(score_mod)),
+                                                    functools.partial(_chunk_attention, **options), key)
     return functools.partial(fn, dropout_p=p)
+
+
+class _CompiledChunk:
+    """A compiled chunk kernel, run without duck sizing. If inductor cannot compile it (an inductor
+    bug on some shape; in the forward call or, lazily, in the backward's ``autograd.grad``), this
+    option set runs the eager chunk from then on, with a warning: same values, slower."""
+
+    def __init__(self, compiled: Callable, eager: Callable, key: tuple) -> None:
+        self.compiled, self.eager, self.key, self.failed = compiled, eager, key, False
+
+    def __call__(self, *args, **kwargs):
+        if self.failed:
+            return self.eager(*args, **kwargs)
+        from torch.fx.experimental import _config as fx_config
+
+        try:
+            with fx_config.patch(use_duck_shape=False):
+                return self.compiled(*args, **kwargs)
+        except _compile_errors() as error:
+            self.give_up(error)
+            return self.eager(*args, **kwargs)
+
+    def give_up(self, error: Exception) -> None:
+        warnings.warn(f"{_OP}: inductor could not compile the attention chunk for {self.key} "
+                      f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200]}); "
+                      "it runs eagerly (same values, slower)", stacklevel=3)
+        self.failed = True
+
+
+def _inductor_options(score_mod: str) -> dict:
+    """Inductor's vectorised C++ scatter-add, which a score_mod's table gradient becomes in the
+    compiled backward, fails to compile on some dynamic shapes (a one-entry table) and, on others
+    (2 rows of 7 tokens, 3 heads of width 1: the hypothesis case of
+    ``test_hstu_attention_matches_padded_model``, seed 2), corrupts the heap; scalar code is
+    exact. Kernels with a score_mod are compiled without vectorisation (~15 % slower steps)."""
+    return {"cpp.simdlen": 1} if score_mod else {}
+
+
+def _compile_errors() -> tuple[type, ...]:
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.exc import InductorError
+
+    return BackendCompilerFailed, InductorError
 
 
 def _gather_heads(x: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -383,7 +440,7 @@ def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side,
     d_tables = [torch.zeros_like(t) if t.is_floating_point() else _grad_placeholder(t) for t in tables]
     kernel = _chunk_kernel(score_mod, dtype=cdtype, use_qk=use_qk, activation=activation, scale=scale,
                            out_scale=out_scale, causal=causal, dropout_p=dropout_p)
-    for qi, qv, ki, kv in _chunks(offs, H, causal, q.device):
+    def chunk_grads(qi, qv, ki, kv):
         with _autograd_reenabled():
             qb = _gather_heads(q, qi, cdtype).detach().requires_grad_(use_qk)
             kb = _gather_heads(k, ki, cdtype).detach().requires_grad_(use_qk)
@@ -393,7 +450,16 @@ def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side,
             o = kernel(qb, kb, vb, positions[qi], positions[ki], kv, qs, ks, table_leaves, qi, ki, seed)
             go = torch.where(qv[:, :, None, None], grad_out[qi].to(cdtype), 0.0).transpose(1, 2)
             leaves = [x for x in [qb, kb, vb, *qs, *ks, *table_leaves] if x.requires_grad]
-            grads = iter(torch.autograd.grad(o, leaves, go, allow_unused=True))
+            return iter(torch.autograd.grad(o, leaves, go, allow_unused=True))
+
+    for qi, qv, ki, kv in _chunks(offs, H, causal, q.device):
+        try:
+            grads = chunk_grads(qi, qv, ki, kv)
+        except _compile_errors() as error:  # the compiled backward is built lazily, here
+            if not isinstance(kernel.func, _CompiledChunk):
+                raise
+            kernel.func.give_up(error)
+            grads = chunk_grads(qi, qv, ki, kv)
         qvalid, kvalid = qi[qv], ki[kv]
 
         def put(acc, index, valid_mask, heads: bool):

@@ -65,7 +65,7 @@ PLANS = [
     {"BUCKET_WASTE": 1.0, "BUCKET_SLACK_PAIRS": 0},  # everything in one bucket
     {"CHUNK_ELEMENTS": 1, "MIN_Q_BLOCK": 1},  # one row per chunk, one query per block
     {"CHUNK_ELEMENTS": 50, "MIN_Q_BLOCK": 3, "BUCKET_SLACK_PAIRS": 0},
-    {"COMPILE_CHUNKS": False},  # the plain eager chunk instead of the inductor-compiled one
+    {"COMPILE_CHUNKS": False},  # the plain eager chunk (the tests' default, tests/conftest.py)
 ]
 
 
@@ -274,6 +274,47 @@ def test_attention_matches_padded_models_slow(c: Case, model: str) -> None:
     fns = {"hstu": (jagged_hstu, dense_hstu, True), "fuxi": (jagged_fuxi, dense_fuxi, True),
            "sasrec": (jagged_sasrec, dense_sasrec, False)}
     check_against_dense(c, *fns[model])
+
+
+def _compiled_chunk_entries() -> dict[tuple, int]:
+    """Compiled entries per inductor-compiled chunk kernel (option set), and none gave up."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    entries = {}
+    for key, kernel in attention_mod._COMPILED_CHUNKS.items():
+        assert not kernel.failed, f"the compiled chunk for {key} fell back to eager"
+        entries[key] = len(_debug_get_cache_entry_list(kernel.compiled._torchdynamo_orig_callable))
+    return entries
+
+
+COMPILED = {"hstu": (jagged_hstu, dense_hstu, True), "sasrec": (jagged_sasrec, dense_sasrec, False)}
+
+
+@SETTINGS
+@given(cases(max_B=6, max_N=12), st.sampled_from(sorted(COMPILED)))
+def test_compiled_chunks_match_padded_models_without_recompiles(c: Case, model: str) -> None:
+    """The inductor-compiled chunk (what users run; the other tests run the eager chunk, see
+    tests/conftest.py) on random shapes and length mixes, all bucketing plans: values and gradients
+    equal the padded model, and each option set compiles at most 4 times (forward without grad,
+    the backward's recomputation, its autograd view; a bias table of one entry specialises once
+    more), whatever the sizes: rows and blocks of one token are padded to two, so Dynamo never
+    specialises on a row count or length of 1 mid-training."""
+    c.plan = {**c.plan, "COMPILE_CHUNKS": True}
+    check_against_dense(c, *COMPILED[model])
+    assert max(_compiled_chunk_entries().values(), default=0) <= 4, _compiled_chunk_entries()
+
+
+@pytest.mark.slow
+@SLOW
+@given(cases(max_B=8, max_N=24, causal=st.booleans()), st.sampled_from(["hstu", "fuxi", "sasrec"]))
+def test_compiled_chunks_match_padded_models_slow(c: Case, model: str) -> None:
+    if model == "fuxi":
+        c.causal = True
+    fns = {"hstu": (jagged_hstu, dense_hstu, True), "fuxi": (jagged_fuxi, dense_fuxi, True),
+           "sasrec": (jagged_sasrec, dense_sasrec, False)}
+    c.plan = {**c.plan, "COMPILE_CHUNKS": True}
+    check_against_dense(c, *fns[model])
+    assert max(_compiled_chunk_entries().values(), default=0) <= 4, _compiled_chunk_entries()
 
 
 def dense_keep(c: Case, seed: torch.Tensor, p: float) -> torch.Tensor:
