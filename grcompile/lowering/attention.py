@@ -308,7 +308,7 @@ COMPILE_CHUNKS = os.environ.get("GRCOMPILE_COMPILE_CHUNKS", "1") != "0"
 
 
 def _chunk_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activation: str, scale: float,
-                  out_scale: float, causal: bool, dropout_p: float) -> Callable:
+                  out_scale: float, causal: bool, dropout_p: float, widths: tuple[int, int, int]) -> Callable:
     """``_chunk_attention`` with its options (and ``dropout_p``, as a 0-d tensor) bound, compiled by
     inductor once per option set (dynamic shapes): the score_mod, mask and activation become one
     fused loop instead of a dozen eager passes over ``[n, H, Lq, Lk]`` (2x on the HSTU backward at
@@ -319,12 +319,15 @@ def _chunk_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activatio
     Dynamo's per-code cache and its recompile limit (8) are not shared by unrelated score_mods.
     Duck sizing is off while it compiles: equal sizes in one chunk (``n == Lq``) must not become a
     guard that the next chunk fails. ``GRCOMPILE_COMPILE_CHUNKS=0`` (or ``COMPILE_CHUNKS = False``)
-    runs the plain eager chunk instead."""
+    runs the plain eager chunk instead, and so do ``widths`` (heads, q/k width, v width) with a 1:
+    with a head or a head width of 1, compiled chunks aborted the process in the property tests
+    (``test_compiled_chunks_match_padded_models_slow`` with widths of 1; cause not found, see
+    docs/lowering.md), so those run eagerly until it is understood."""
     mod = get_score_mod(score_mod) if score_mod else None
     p = torch.tensor(dropout_p, dtype=torch.float64)
     options = dict(mod=mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
                    dropout=dropout_p > 0)
-    if not COMPILE_CHUNKS:
+    if not COMPILE_CHUNKS or min(widths) < 2:
         return functools.partial(_chunk_attention, dropout_p=p, **options)
     key = (score_mod, dtype, use_qk, activation, scale, out_scale, causal, dropout_p > 0)
     fn = _COMPILED_CHUNKS.get(key)
@@ -399,7 +402,8 @@ def _attention_reference(q, k, v, offsets, positions, q_side, k_side, tables, se
     out = torch.zeros(T, H, dv, dtype=q.dtype, device=q.device)
     cdtype = _compute_dtype(q.dtype)
     kernel = _chunk_kernel(score_mod, dtype=cdtype, use_qk=use_qk, activation=activation, scale=scale,
-                           out_scale=out_scale, causal=causal, dropout_p=dropout_p)
+                           out_scale=out_scale, causal=causal, dropout_p=dropout_p,
+                           widths=(H, q.shape[2], v.shape[2]))
     with torch.no_grad():
         for qi, qv, ki, kv in _chunks(offs, H, causal, q.device):
             o = kernel(_gather_heads(q, qi, cdtype), _gather_heads(k, ki, cdtype), _gather_heads(v, ki, cdtype),
@@ -439,7 +443,8 @@ def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side,
     table_leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tables]
     d_tables = [torch.zeros_like(t) if t.is_floating_point() else _grad_placeholder(t) for t in tables]
     kernel = _chunk_kernel(score_mod, dtype=cdtype, use_qk=use_qk, activation=activation, scale=scale,
-                           out_scale=out_scale, causal=causal, dropout_p=dropout_p)
+                           out_scale=out_scale, causal=causal, dropout_p=dropout_p,
+                           widths=(H, q.shape[2], v.shape[2]))
     def chunk_grads(qi, qv, ki, kv):
         with _autograd_reenabled():
             qb = _gather_heads(q, qi, cdtype).detach().requires_grad_(use_qk)
