@@ -54,6 +54,7 @@ import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from . import lookup, register_op
 from .score_mod import get_score_mod, hstu_rab_key, relative_position_bias_key, relative_time_bias_key
@@ -308,7 +309,7 @@ COMPILE_CHUNKS = os.environ.get("GRCOMPILE_COMPILE_CHUNKS", "1") != "0"
 
 
 def _chunk_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activation: str, scale: float,
-                  out_scale: float, causal: bool, dropout_p: float, widths: tuple[int, int, int]) -> Callable:
+                  out_scale: float, causal: bool, dropout_p: float, head_widths: tuple[int, int]) -> Callable:
     """``_chunk_attention`` with its options (and ``dropout_p``, as a 0-d tensor) bound, compiled by
     inductor once per option set (dynamic shapes): the score_mod, mask and activation become one
     fused loop instead of a dozen eager passes over ``[n, H, Lq, Lk]`` (2x on the HSTU backward at
@@ -319,15 +320,15 @@ def _chunk_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activatio
     Dynamo's per-code cache and its recompile limit (8) are not shared by unrelated score_mods.
     Duck sizing is off while it compiles: equal sizes in one chunk (``n == Lq``) must not become a
     guard that the next chunk fails. ``GRCOMPILE_COMPILE_CHUNKS=0`` (or ``COMPILE_CHUNKS = False``)
-    runs the plain eager chunk instead, and so do ``widths`` (heads, q/k width, v width) with a head
-    width of 1: compiled, those aborted the process in the property tests
+    runs the plain eager chunk instead, and so do ``head_widths`` (q/k width, v width) with a 1:
+    compiled, those aborted the process in the property tests
     (``test_compiled_chunks_match_padded_models_slow``; cause not found, see docs/lowering.md), so
     they run eagerly until it is understood. One head is fine (300 examples)."""
     mod = get_score_mod(score_mod) if score_mod else None
     p = torch.tensor(dropout_p, dtype=torch.float64)
     options = dict(mod=mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
                    dropout=dropout_p > 0)
-    if not COMPILE_CHUNKS or min(widths[1:]) < 2:
+    if not COMPILE_CHUNKS or min(head_widths) < 2:
         return functools.partial(_chunk_attention, dropout_p=p, **options)
     key = (score_mod, dtype, use_qk, activation, scale, out_scale, causal, dropout_p > 0)
     fn = _COMPILED_CHUNKS.get(key)
@@ -352,8 +353,6 @@ class _CompiledChunk:
     def __call__(self, *args, **kwargs):
         if self.failed:
             return self.eager(*args, **kwargs)
-        from torch.fx.experimental import _config as fx_config
-
         try:
             with fx_config.patch(use_duck_shape=False):
                 return self.compiled(*args, **kwargs)
@@ -403,7 +402,7 @@ def _attention_reference(q, k, v, offsets, positions, q_side, k_side, tables, se
     cdtype = _compute_dtype(q.dtype)
     kernel = _chunk_kernel(score_mod, dtype=cdtype, use_qk=use_qk, activation=activation, scale=scale,
                            out_scale=out_scale, causal=causal, dropout_p=dropout_p,
-                           widths=(H, q.shape[2], v.shape[2]))
+                           head_widths=(q.shape[2], v.shape[2]))
     with torch.no_grad():
         for qi, qv, ki, kv in _chunks(offs, H, causal, q.device):
             o = kernel(_gather_heads(q, qi, cdtype), _gather_heads(k, ki, cdtype), _gather_heads(v, ki, cdtype),
@@ -444,7 +443,8 @@ def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side,
     d_tables = [torch.zeros_like(t) if t.is_floating_point() else _grad_placeholder(t) for t in tables]
     kernel = _chunk_kernel(score_mod, dtype=cdtype, use_qk=use_qk, activation=activation, scale=scale,
                            out_scale=out_scale, causal=causal, dropout_p=dropout_p,
-                           widths=(H, q.shape[2], v.shape[2]))
+                           head_widths=(q.shape[2], v.shape[2]))
+
     def chunk_grads(qi, qv, ki, kv):
         with _autograd_reenabled():
             qb = _gather_heads(q, qi, cdtype).detach().requires_grad_(use_qk)
