@@ -1,55 +1,105 @@
 """The op library the compiler's passes emit, and the registry that picks a kernel per device.
 
 Each op lives in its own module with a plain-torch *reference* implementation beside the kernel
-slots (``triton`` for CUDA, ``ascend`` for NPU, filled in by later milestones). The custom op's
-implementation asks :func:`lookup` for the callable, so a device without a kernel runs the
-reference and every backend is checked against the same reference by the property tests in
-``tests/lowering``.
+slots (``triton`` for CUDA, ``ascend`` for NPU). The custom op's implementation asks
+:func:`lookup` for the callable, so a device without a kernel runs the reference and every
+backend is checked against the same reference by the property tests in ``tests/lowering``.
 
-    register_op("jagged_attention", reference=fn, triton=None, ascend=None)
+    register_op("jagged_attention", reference=fn, triton="pkg.module:attr")   # slots: callable or lazy path
     lookup("jagged_attention", "cpu")   # -> fn (cuda -> triton, npu -> ascend, else reference)
-    OPS                                 # name -> OpEntry
+    OPS                                 # name -> OpEntry (with per-backend call counts)
+
+Backend choice (``GRCOMPILE_BACKEND`` or :func:`use_backend`): ``auto`` (default) picks the
+device's kernel slot; ``reference`` forces the reference everywhere; ``triton`` also runs the
+Triton kernels on CPU tensors, which needs ``TRITON_INTERPRET=1`` set before Triton is imported
+(tests, and anyone without a GPU). A kernel slot given as ``"module:attr"`` is imported on first
+use, so ``import grcompile`` does not import Triton.
 
 Ops (``torch.ops.grcompile.*``): ``jagged_attention`` (+ its ``jagged_attention_backward``),
 ``gated_norm``. Helpers: :mod:`.jagged` (packing), :mod:`.score_mod` (bias registry).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+import contextlib
+import importlib
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Union
 
 # device type -> kernel slot; anything else runs the reference
 _DEVICE_SLOT = {"cuda": "triton", "xpu": "triton", "npu": "ascend"}
+BACKENDS = ("auto", "reference", "triton", "ascend")
+Kernel = Union[Callable, str, None]  # a callable, a lazy "module:attr" path, or empty
+
+
+def _resolve(kernel: Kernel) -> Optional[Callable]:
+    if isinstance(kernel, str):
+        module, _, attr = kernel.partition(":")
+        return getattr(importlib.import_module(module), attr)
+    return kernel
 
 
 @dataclass
 class OpEntry:
     name: str
     reference: Callable
-    triton: Optional[Callable] = None
-    ascend: Optional[Callable] = None
+    triton: Kernel = None
+    ascend: Kernel = None
+    calls: Counter = field(default_factory=Counter)  # backend -> calls (what report() shows)
 
-    def kernel_for(self, device_type: str) -> Callable:
-        slot = _DEVICE_SLOT.get(device_type)
-        kernel = getattr(self, slot) if slot else None
-        return kernel if kernel is not None else self.reference
+    def kernel_for(self, device_type: str, backend: Optional[str] = None) -> tuple[str, Callable]:
+        """``(backend name, callable)`` for a tensor on ``device_type``."""
+        backend = preferred_backend() if backend is None else backend
+        if backend == "reference":
+            return "reference", self.reference
+        slot = _DEVICE_SLOT.get(device_type) if backend == "auto" else backend
+        if slot == "triton" and device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            slot = None  # Triton runs CPU tensors only in its interpreter
+        kernel = _resolve(getattr(self, slot)) if slot else None
+        if kernel is None:
+            return "reference", self.reference
+        setattr(self, slot, kernel)
+        return slot, kernel
 
     def backends(self) -> list[str]:
         return ["reference"] + [s for s in ("triton", "ascend") if getattr(self, s) is not None]
 
 
 OPS: dict[str, OpEntry] = {}
+_OVERRIDE: list[str] = []  # innermost use_backend() last
 
 
-def register_op(name: str, reference: Callable, triton: Optional[Callable] = None,
-                ascend: Optional[Callable] = None) -> OpEntry:
+def preferred_backend() -> str:
+    """``use_backend``'s innermost choice, else ``GRCOMPILE_BACKEND``, else ``auto``."""
+    if _OVERRIDE:
+        return _OVERRIDE[-1]
+    backend = os.environ.get("GRCOMPILE_BACKEND", "auto") or "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"GRCOMPILE_BACKEND must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+@contextlib.contextmanager
+def use_backend(backend: str) -> Iterator[None]:
+    """Run the ops of this scope with ``backend`` (see the module docstring)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"use_backend: backend must be one of {BACKENDS}, got {backend!r}")
+    _OVERRIDE.append(backend)
+    try:
+        yield
+    finally:
+        _OVERRIDE.pop()
+
+
+def register_op(name: str, reference: Callable, triton: Kernel = None, ascend: Kernel = None) -> OpEntry:
     """Register (or update the kernels of) op ``name``. ``reference`` is required: it is the
     CPU implementation and the fallback of every device without a kernel."""
     if not callable(reference):
         raise TypeError(f"register_op({name!r}): reference must be callable, got {type(reference).__name__}")
     for slot, fn in (("triton", triton), ("ascend", ascend)):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"register_op({name!r}): {slot} must be callable or None")
+        if fn is not None and not (callable(fn) or (isinstance(fn, str) and ":" in fn)):
+            raise TypeError(f"register_op({name!r}): {slot} must be callable, a 'module:attr' path or None")
     entry = OPS.get(name)
     if entry is None:
         entry = OPS[name] = OpEntry(name, reference, triton, ascend)
@@ -61,12 +111,15 @@ def register_op(name: str, reference: Callable, triton: Optional[Callable] = Non
 
 
 def lookup(name: str, device_type: str) -> Callable:
-    """The implementation of op ``name`` for ``device_type`` ("cpu", "cuda", "npu", ...)."""
+    """The implementation of op ``name`` for ``device_type`` ("cpu", "cuda", "npu", ...); counts
+    the call under the backend it picked."""
     try:
         entry = OPS[name]
     except KeyError:
         raise KeyError(f"grcompile.lowering: no op named {name!r}; registered: {sorted(OPS)}") from None
-    return entry.kernel_for(device_type)
+    backend, kernel = entry.kernel_for(device_type)
+    entry.calls[backend] += 1
+    return kernel
 
 
 # Registering the ops (import order matters: the registry above must exist first).
@@ -76,6 +129,7 @@ from .attention import (  # noqa: E402,F401
     fuxi_attention, hstu_attention, jagged_attention, jagged_softmax_attention)
 from .norm import gated_norm  # noqa: E402,F401
 
-__all__ = ["OPS", "OpEntry", "register_op", "lookup", "register_score_mod", "get_score_mod",
+__all__ = ["OPS", "OpEntry", "BACKENDS", "register_op", "lookup", "use_backend", "preferred_backend",
+           "register_score_mod", "get_score_mod",
            "jagged_attention", "hstu_attention", "fuxi_attention", "jagged_softmax_attention",
            "gated_norm", "jagged", "score_mod"]
