@@ -1,0 +1,556 @@
+"""Triton kernels of ``grcompile::jagged_attention`` (forward and analytic backward), with the
+captured score_mod generated into the kernel source.
+
+One kernel module is generated per *variant* (score_mod key, activation, causal, dropout, use_qk,
+side and table dtypes / ranks) from the templates below and the score_mod's Triton code
+(:mod:`.score_mod_codegen`), written to a cache directory and imported (Triton reads kernel source
+from files). Head widths, scales, lengths and strides are runtime arguments; block sizes and the
+head-width padding are constexprs.
+
+Kernels, each over a grid of (block, row, head) with rows addressed by ``offsets``:
+
+* ``fwd``: a query block against the key blocks it may see (causal: up to its last query),
+  flash-style — ``tl.dot`` for ``q·kᵀ`` and ``A·v`` in fp32 accumulation; SiLU / identity, or an
+  online softmax that stores the log-sum-exp per (token, head) for the backward; dropout with the
+  reference's counter hash (the same 32-bit lowbias32 rounds, in uint32), so masks are bit-identical.
+* ``bwd_kv``: a key block against the query blocks that see it: ``dk``, ``dv``, the gradients of the
+  key-side float tensors (per head, summed on the host) and of every float table (``atomic_add``).
+* ``bwd_q``: a query block against its key blocks: ``dq`` and the query-side tensors' gradients.
+
+The softmax backward needs the forward's output and log-sum-exp; the op saves only its inputs, so
+the backward reruns ``fwd`` first (one extra forward per backward; see docs/lowering.md).
+
+Index safety: every load is masked to the row; table indices are wrapped like torch indexing and
+an index outside its table reads nothing and raises a ``ValueError`` after the kernel (torch raises
+an ``IndexError`` there).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .score_mod import get_score_mod
+from .score_mod_codegen import ScoreModCode, Unsupported, generate
+
+_OP = "grcompile::jagged_attention"
+_ACT = {"identity": 0, "silu": 1, "softmax": 2}
+_TL = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
+       torch.int64: "i64", torch.int32: "i32", torch.bool: "i1", torch.uint8: "u8", torch.int16: "i16",
+       torch.int8: "i8"}
+
+
+class TritonFallback(Exception):
+    """This call cannot run the Triton kernel; the message says why (the op runs the reference)."""
+
+
+# --------------------------------------------------------------------------------------------
+# source templates ({...} are filled by _render; the score_mod code is indented into them)
+
+_HEADER = '''\
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _hash32(x):
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _keep(seed, q_tok, k_tok, head, H, threshold):
+    row = _hash32(((seed ^ (q_tok.to(tl.int64) * H + head)) & 0xFFFFFFFF).to(tl.uint32))
+    u = _hash32(row ^ (k_tok.to(tl.int64) & 0xFFFFFFFF).to(tl.uint32)) >> 8
+    return u >= threshold
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+'''
+
+_FWD = '''
+
+@triton.jit
+def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+        H, DQK, DV, scale, out_scale, keep_scale, threshold,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+        ACT: tl.constexpr, CAUSAL: tl.constexpr, USE_QK: tl.constexpr, DROPOUT: tl.constexpr,
+        IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    row = tl.program_id(1)
+    head = tl.program_id(2).to(tl.int64)
+    start = tl.load(OFFS + row)
+    L = tl.load(OFFS + row + 1) - start
+    m0 = pid_m * BLOCK_M
+    if m0 >= L:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    q_ok = offs_m < L
+    q_tok = start + offs_m
+    dqk = tl.arange(0, BLOCK_DQK)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + q_tok[:, None] * stride_qt + head * stride_qh + dqk[None, :],
+                mask=q_ok[:, None] & (dqk[None, :] < DQK), other=0.0)
+    q_pos = tl.load(POS + q_tok, mask=q_ok, other=0)[:, None]
+{load_q_sides}
+    seed = tl.load(SEED) if DROPOUT else 0
+    oob = tl.zeros([], tl.int32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    hi = tl.minimum(L, m0 + BLOCK_M) if CAUSAL else L
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k_ok = offs_n < L
+        k_tok = start + offs_n
+        v = tl.load(V + k_tok[:, None] * stride_vt + head * stride_vh + dv[None, :],
+                    mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        k_pos = tl.load(POS + k_tok, mask=k_ok, other=0)[None, :]
+{load_k_sides}
+        PAIR = q_ok[:, None] & k_ok[None, :]
+        if USE_QK:
+            k = tl.load(K + k_tok[:, None] * stride_kt + head * stride_kh + dqk[None, :],
+                        mask=k_ok[:, None] & (dqk[None, :] < DQK), other=0.0)
+            s = _dot(q, tl.trans(k), IEEE) * scale
+        else:
+            s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+{score_mod}
+        allowed = PAIR & (k_pos <= q_pos) if CAUSAL else PAIR
+        if ACT == 2:
+            s_mod = tl.where(allowed, s_mod, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s_mod, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s_mod - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        elif ACT == 1:
+            p = tl.where(allowed, s_mod / (1.0 + tl.exp(-s_mod)), 0.0)
+        else:
+            p = tl.where(allowed, s_mod, 0.0)
+        if DROPOUT:
+            keep = _keep(seed, q_tok[:, None], k_tok[None, :], head, H, threshold)
+            p = tl.where(keep, p * keep_scale, 0.0)
+        acc = acc + _dot(p.to(v.dtype), v, IEEE)
+    if ACT == 2:
+        live = l_i > 0
+        acc = acc / tl.where(live, l_i, 1.0)[:, None]
+        acc = tl.where(live[:, None], acc, 0.0)
+        lse = tl.where(live, m_i + tl.log(tl.where(live, l_i, 1.0)), float("inf"))
+        tl.store(LSE + q_tok * H + head, lse, mask=q_ok)
+    acc = acc * out_scale
+    tl.store(O + q_tok[:, None] * stride_ot + head * stride_oh + dv[None, :], acc.to(O.dtype.element_ty),
+             mask=q_ok[:, None] & (dv[None, :] < DV))
+    if oob != 0:
+        tl.atomic_max(OOB, 1)
+'''
+
+# the shared body of both backward kernels: recompute the pair tile, then g_s (raw-score grad)
+_BWD_PAIR = '''\
+        PAIR = q_ok[:, None] & k_ok[None, :]
+        if USE_QK:
+            s = _dot(q, tl.trans(k), IEEE) * scale
+        else:
+            s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        oob = tl.zeros([], tl.int32)
+{score_mod}
+        allowed = PAIR & (k_pos <= q_pos) if CAUSAL else PAIR
+        w = out_scale
+        if DROPOUT:
+            keep = _keep(seed, q_tok[:, None], k_tok[None, :], head, H, threshold)
+            w = tl.where(keep, out_scale * keep_scale, 0.0)
+        dad = _dot(do, tl.trans(v), IEEE)  # d(loss)/d(weight after dropout and out_scale)
+        if ACT == 2:
+            a = tl.where(allowed, tl.exp(tl.where(allowed, s_mod, 0.0) - lse[:, None]), 0.0)
+            g_mod = a * (dad * w - delta[:, None])
+        elif ACT == 1:
+            sig = 1.0 / (1.0 + tl.exp(-s_mod))
+            a = tl.where(allowed, s_mod * sig, 0.0)
+            g_mod = tl.where(allowed, dad * w * sig * (1.0 + s_mod * (1.0 - sig)), 0.0)
+        else:
+            a = tl.where(allowed, s_mod, 0.0)
+            g_mod = tl.where(allowed, dad * w, 0.0)
+{score_mod_backward}
+'''
+
+_BWD_KV = '''
+
+@triton.jit
+def bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, OFFS, POS, SEED, {extra_params} {grad_params}
+           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+           H, DQK, DV, scale, out_scale, keep_scale, threshold,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+           ACT: tl.constexpr, CAUSAL: tl.constexpr, USE_QK: tl.constexpr, DROPOUT: tl.constexpr,
+           IEEE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1)
+    head = tl.program_id(2).to(tl.int64)
+    start = tl.load(OFFS + row)
+    L = tl.load(OFFS + row + 1) - start
+    n0 = pid_n * BLOCK_N
+    if n0 >= L:
+        return
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    k_ok = offs_n < L
+    k_tok = start + offs_n
+    dqk = tl.arange(0, BLOCK_DQK)
+    dv = tl.arange(0, BLOCK_DV)
+    k = tl.load(K + k_tok[:, None] * stride_kt + head * stride_kh + dqk[None, :],
+                mask=k_ok[:, None] & (dqk[None, :] < DQK), other=0.0)
+    v = tl.load(V + k_tok[:, None] * stride_vt + head * stride_vh + dv[None, :],
+                mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    k_pos = tl.load(POS + k_tok, mask=k_ok, other=0)[None, :]
+{load_k_sides}
+    seed = tl.load(SEED) if DROPOUT else 0
+    dk_acc = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
+    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+{init_k_side_grads}
+    lo = (n0 // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    for m0 in range(lo, L, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        q_ok = offs_m < L
+        q_tok = start + offs_m
+        q = tl.load(Q + q_tok[:, None] * stride_qt + head * stride_qh + dqk[None, :],
+                    mask=q_ok[:, None] & (dqk[None, :] < DQK), other=0.0)
+        do = tl.load(DO + q_tok[:, None] * stride_ot + head * stride_oh + dv[None, :],
+                     mask=q_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        q_pos = tl.load(POS + q_tok, mask=q_ok, other=0)[:, None]
+        if ACT == 2:
+            lse = tl.load(LSE + q_tok * H + head, mask=q_ok, other=float("inf"))
+            delta = tl.load(DELTA + q_tok * H + head, mask=q_ok, other=0.0)
+{load_q_sides_inner}
+{pair}
+        dv_acc = dv_acc + _dot(tl.trans((a * w).to(do.dtype)), do, IEEE)
+        if USE_QK:
+            dk_acc = dk_acc + _dot(tl.trans(g_s.to(q.dtype)), q, IEEE)
+{acc_k_side_grads}
+    kv_mask = k_ok[:, None]
+    tl.store(DK + k_tok[:, None] * stride_kt + head * stride_kh + dqk[None, :], (dk_acc * scale).to(DK.dtype.element_ty),
+             mask=kv_mask & (dqk[None, :] < DQK))
+    tl.store(DV_OUT + k_tok[:, None] * stride_vt + head * stride_vh + dv[None, :], dv_acc.to(DV_OUT.dtype.element_ty),
+             mask=kv_mask & (dv[None, :] < DV))
+{store_k_side_grads}
+'''
+
+_BWD_Q = '''
+
+@triton.jit
+def bwd_q(Q, K, V, DO, LSE, DELTA, DQ, OFFS, POS, SEED, {extra_params} {grad_params}
+          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+          H, DQK, DV, scale, out_scale, keep_scale, threshold,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+          ACT: tl.constexpr, CAUSAL: tl.constexpr, USE_QK: tl.constexpr, DROPOUT: tl.constexpr,
+          IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    row = tl.program_id(1)
+    head = tl.program_id(2).to(tl.int64)
+    start = tl.load(OFFS + row)
+    L = tl.load(OFFS + row + 1) - start
+    m0 = pid_m * BLOCK_M
+    if m0 >= L:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    q_ok = offs_m < L
+    q_tok = start + offs_m
+    dqk = tl.arange(0, BLOCK_DQK)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + q_tok[:, None] * stride_qt + head * stride_qh + dqk[None, :],
+                mask=q_ok[:, None] & (dqk[None, :] < DQK), other=0.0)
+    do = tl.load(DO + q_tok[:, None] * stride_ot + head * stride_oh + dv[None, :],
+                 mask=q_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    q_pos = tl.load(POS + q_tok, mask=q_ok, other=0)[:, None]
+    if ACT == 2:
+        lse = tl.load(LSE + q_tok * H + head, mask=q_ok, other=float("inf"))
+        delta = tl.load(DELTA + q_tok * H + head, mask=q_ok, other=0.0)
+{load_q_sides}
+    seed = tl.load(SEED) if DROPOUT else 0
+    dq_acc = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
+{init_q_side_grads}
+    hi = tl.minimum(L, m0 + BLOCK_M) if CAUSAL else L
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k_ok = offs_n < L
+        k_tok = start + offs_n
+        k = tl.load(K + k_tok[:, None] * stride_kt + head * stride_kh + dqk[None, :],
+                    mask=k_ok[:, None] & (dqk[None, :] < DQK), other=0.0)
+        v = tl.load(V + k_tok[:, None] * stride_vt + head * stride_vh + dv[None, :],
+                    mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        k_pos = tl.load(POS + k_tok, mask=k_ok, other=0)[None, :]
+{load_k_sides_inner}
+{pair}
+        if USE_QK:
+            dq_acc = dq_acc + _dot(g_s.to(k.dtype), k, IEEE)
+{acc_q_side_grads}
+    tl.store(DQ + q_tok[:, None] * stride_qt + head * stride_qh + dqk[None, :], (dq_acc * scale).to(DQ.dtype.element_ty),
+             mask=q_ok[:, None] & (dqk[None, :] < DQK))
+{store_q_side_grads}
+'''
+
+
+def _indent(lines: list[str], spaces: int) -> str:
+    return "\n".join(" " * spaces + line for line in lines)
+
+
+@dataclass(frozen=True)
+class Variant:
+    score_mod: str
+    activation: str
+    causal: bool
+    use_qk: bool
+    dropout: bool
+    q_sides: tuple  # dtypes
+    k_sides: tuple
+    tables: tuple  # (rank, dtype) per table
+
+
+def _render(code: Optional[ScoreModCode], n_q: int, n_k: int, table_ranks: list[int]) -> str:
+    """The kernel module source for one variant."""
+    n_tab = len(table_ranks)
+    extra = [f"QS{i}" for i in range(n_q)] + [f"KS{i}" for i in range(n_k)]
+    for t, rank in enumerate(table_ranks):
+        extra += [f"tab{t}"] + [f"tab{t}_n{d}" for d in range(rank)] + [f"tab{t}_s{d}" for d in range(rank)]
+    extra_params = "".join(f"{p}, " for p in extra)
+    fq = code.float_q_sides if code else []
+    fk = code.float_k_sides if code else []
+    ft = code.float_tables if code else []
+    grad_params = "".join(f"DQS{i}, " for i in fq) + "".join(f"DKS{i}, " for i in fk) + \
+        "".join(f"dtab{t}, " for t in ft)
+    head_line = []
+    forward = code.forward if code else ["s_mod = s"]
+    backward = list(code.backward) if code else ["g_s = g_mod"]
+    sm = _indent(head_line + forward, 8)
+    pair_kv = _BWD_PAIR.format(score_mod=sm, score_mod_backward=_indent(backward, 8))
+    # table gradients only in bwd_kv, so each pair adds once
+    pair_q = _BWD_PAIR.format(score_mod=sm, score_mod_backward=_indent(
+        [line for line in backward if not line.startswith("tl.atomic_add")], 8))
+
+    def loads(prefix: str, n: int, axis: str, mask: str, tok: str, spaces: int) -> str:
+        sl = "[:, None]" if axis == "q" else "[None, :]"
+        return _indent([f"{prefix.lower()}{i} = tl.load({prefix}{i} + {tok}, mask={mask}, other=0){sl}"
+                        for i in range(n)], spaces)
+    load_q = loads("QS", n_q, "q", "q_ok", "q_tok", 4)
+    load_k = loads("KS", n_k, "k", "k_ok", "k_tok", 8)
+    src = _HEADER
+    src += _FWD.format(extra_params=extra_params, load_q_sides=load_q, load_k_sides=load_k, score_mod=sm)
+    # bwd_kv: k sides outside the loop, q sides inside
+    src += _BWD_KV.format(
+        extra_params=extra_params, grad_params=grad_params, pair=pair_kv,
+        load_k_sides=loads("KS", n_k, "k", "k_ok", "k_tok", 4),
+        load_q_sides_inner=loads("QS", n_q, "q", "q_ok", "q_tok", 8),
+        init_k_side_grads=_indent([f"gks_acc{i} = tl.zeros([1, BLOCK_N], tl.float32)" for i in fk], 4),
+        acc_k_side_grads=_indent([f"gks_acc{i} = gks_acc{i} + tl.sum(g_ks{i}, axis=0, keep_dims=True)"
+                                  for i in fk], 8),
+        store_k_side_grads=_indent([f"tl.store(DKS{i} + k_tok[None, :] * H + head, gks_acc{i}, mask=k_ok[None, :])"
+                                    for i in fk], 4))
+    src += _BWD_Q.format(
+        extra_params=extra_params, grad_params=grad_params, pair=pair_q,
+        load_q_sides=load_q, load_k_sides_inner=load_k,
+        init_q_side_grads=_indent([f"gqs_acc{i} = tl.zeros([BLOCK_M, 1], tl.float32)" for i in fq], 4),
+        acc_q_side_grads=_indent([f"gqs_acc{i} = gqs_acc{i} + tl.sum(g_qs{i}, axis=1, keep_dims=True)"
+                                  for i in fq], 8),
+        store_q_side_grads=_indent([f"tl.store(DQS{i} + q_tok[:, None] * H + head, gqs_acc{i}, mask=q_ok[:, None])"
+                                    for i in fq], 4))
+    del n_tab
+    return src
+
+
+_CACHE_DIR = Path(os.environ.get("GRCOMPILE_TRITON_CACHE", Path(tempfile.gettempdir()) / "grcompile-triton"))
+_MODULES: dict[Variant, tuple] = {}
+
+
+def _load_module(source: str):
+    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+    name = f"grcompile_attention_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    _CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    path = _CACHE_DIR / f"{name}.py"
+    if not path.exists() or path.read_text() != source:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        tmp.replace(path)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def kernels_for(variant: Variant, q_sides, k_sides, tables):
+    """``(module, code)`` of ``variant``: generated and imported once per process."""
+    hit = _MODULES.get(variant)
+    if hit is None:
+        code = None
+        if variant.score_mod:
+            code = generate(get_score_mod(variant.score_mod), q_sides, k_sides, tables, backward=True)
+        ranks = [t.dim() for t in tables] + ([c.dim() for c in code.constants] if code else [])
+        module = _load_module(_render(code, len(q_sides), len(k_sides), ranks))
+        hit = _MODULES[variant] = (module, code)
+    return hit
+
+
+# --------------------------------------------------------------------------------------------
+# launching
+
+
+def _blocks(dqk: int, dv: int, device: torch.device) -> dict:
+    pad = lambda d: max(16, 1 << max(0, (d - 1).bit_length()))  # noqa: E731 - tl.dot needs >= 16
+    if device.type == "cpu":  # the interpreter: small tiles keep it fast
+        bm = bn = 16
+    else:
+        bm, bn = (64, 64) if max(dqk, dv) <= 128 else (64, 32)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=pad(dqk), BLOCK_DV=pad(dv))
+
+
+def _table_args(tables: list[torch.Tensor]) -> list:
+    args = []
+    for t in tables:
+        args.append(t)
+        args += list(t.shape) + list(t.stride())
+    return args
+
+
+def _variant(q, q_side, k_side, tables, score_mod, activation, causal, use_qk, dropout) -> Variant:
+    return Variant(score_mod, activation, causal, use_qk, dropout, tuple(t.dtype for t in q_side),
+                   tuple(t.dtype for t in k_side), tuple((t.dim(), t.dtype) for t in tables))
+
+
+def _check_supported(q: torch.Tensor, tables) -> None:
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TritonFallback(f"the Triton kernel takes float32 / bfloat16 / float16, got {q.dtype}")
+    if max(q.shape[2], 1) > 256:
+        raise TritonFallback(f"head width {q.shape[2]} > 256")
+
+
+def _common(q, k, v, offsets, positions, seed, *, activation, causal, use_qk, scale, out_scale, dropout_p):
+    H = q.shape[1]
+    threshold = round(dropout_p * (1 << 24))
+    seed_t = seed if seed is not None else torch.zeros(1, dtype=torch.int64, device=q.device)
+    return dict(H=H, DQK=q.shape[2], DV=v.shape[2], scale=float(scale), out_scale=float(out_scale),
+                keep_scale=1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0, threshold=threshold,
+                ACT=_ACT[activation], CAUSAL=causal, USE_QK=use_qk, DROPOUT=dropout_p > 0,
+                IEEE=q.dtype == torch.float32, **_blocks(q.shape[2], v.shape[2], q.device)), seed_t
+
+
+def _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score_mod, use_qk, activation, scale,
+             out_scale, causal, max_len, dropout_p):
+    """``(out, lse, module, code, all_tables)``; raises TritonFallback / Unsupported before launching."""
+    _check_supported(q, tables)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    variant = _variant(q, q_side, k_side, tables, score_mod, activation, causal, use_qk, dropout_p > 0)
+    module, code = kernels_for(variant, q_side, k_side, tables)
+    all_tables = list(tables) + [c.to(q.device) for c in (code.constants if code else [])]
+    T, H, dv = q.shape[0], q.shape[1], v.shape[2]
+    out = torch.empty(T, H, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    oob = torch.zeros(1, dtype=torch.int32, device=q.device)
+    meta, seed_t = _common(q, k, v, offsets, positions, seed, activation=activation, causal=causal, use_qk=use_qk,
+                           scale=scale, out_scale=out_scale, dropout_p=dropout_p)
+    B = offsets.shape[0] - 1
+    if T and B:
+        grid = (math.ceil(max_len / meta["BLOCK_M"]), B, H)
+        module.fwd[grid](q, k, v, out, lse, offsets, positions, seed_t, oob,
+                         *[t.contiguous() for t in q_side], *[t.contiguous() for t in k_side], *_table_args(all_tables),
+                         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                         out.stride(0), out.stride(1), **meta)
+        if int(oob.item()):
+            raise ValueError(f"{_OP}: the score_mod {score_mod!r} indexes one of its tables out of range "
+                             "(torch raises IndexError on this input)")
+    return out, lse, module, code, all_tables
+
+
+def attention_triton(q, k, v, offsets, positions, q_side, k_side, tables, seed=None, *, score_mod, use_qk,
+                     activation, scale, out_scale, causal, max_len, dropout_p=0.0):
+    """The Triton forward; the reference when the kernel cannot run this call (with a warning)."""
+    from .attention import _attention_reference, _check_dropout, _check_meta, _check_values
+    _check_meta(q, k, v, offsets, positions, q_side, k_side, tables, score_mod, activation, max_len)
+    _check_dropout(seed, dropout_p, q.device)
+    _check_values(offsets, positions, q.shape[0], max_len)
+    try:
+        return _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, score_mod=score_mod,
+                        use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
+                        max_len=max_len, dropout_p=dropout_p)[0]
+    except (TritonFallback, Unsupported) as why:
+        _note_fallback(score_mod, str(why))
+        return _attention_reference(q, k, v, offsets, positions, q_side, k_side, tables, seed, score_mod=score_mod,
+                                    use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale,
+                                    causal=causal, max_len=max_len, dropout_p=dropout_p)
+
+
+FALLBACKS: dict[str, str] = {}  # score_mod key (or "") -> why the reference ran instead of Triton
+
+
+def _note_fallback(score_mod: str, why: str) -> None:
+    if score_mod not in FALLBACKS:
+        import warnings
+        warnings.warn(f"{_OP}: the Triton kernel does not run score_mod {score_mod or '(none)'!r}: {why}; "
+                      "the reference implementation runs instead (same values, slower)", stacklevel=3)
+    FALLBACKS[score_mod] = why
+
+
+def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed=None, *,
+                              score_mod, use_qk, activation, scale, out_scale, causal, max_len, dropout_p=0.0):
+    from .attention import _attention_backward_reference, _grad_placeholder
+    kwargs = dict(score_mod=score_mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale,
+                  causal=causal, max_len=max_len, dropout_p=dropout_p)
+    try:
+        out, lse, module, code, all_tables = _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed,
+                                                      **kwargs)
+    except (TritonFallback, Unsupported) as why:
+        _note_fallback(score_mod, str(why))
+        return _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed,
+                                             **kwargs)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    grad_out = grad_out.contiguous()
+    T, H = q.shape[0], q.shape[1]
+    delta = (grad_out.float() * out.float()).sum(-1).contiguous()
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    fq = code.float_q_sides if code else []
+    fk = code.float_k_sides if code else []
+    ft = code.float_tables if code else []
+    dqs = {i: torch.zeros(T, H, dtype=torch.float32, device=q.device) for i in fq}
+    dks = {i: torch.zeros(T, H, dtype=torch.float32, device=q.device) for i in fk}
+    dtabs = {i: torch.zeros(tables[i].shape, dtype=torch.float32, device=q.device) for i in ft}
+    grad_args = [dqs[i] for i in fq] + [dks[i] for i in fk] + [dtabs[i] for i in ft]
+    meta, seed_t = _common(q, k, v, offsets, positions, seed, activation=activation, causal=causal, use_qk=use_qk,
+                           scale=scale, out_scale=out_scale, dropout_p=dropout_p)
+    B = offsets.shape[0] - 1
+    if T and B:
+        side_args = [*[t.contiguous() for t in q_side], *[t.contiguous() for t in k_side], *_table_args(all_tables)]
+        strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                   grad_out.stride(0), grad_out.stride(1))
+        module.bwd_kv[(math.ceil(max_len / meta["BLOCK_N"]), B, H)](
+            q, k, v, grad_out, lse, delta, dk, dv, offsets, positions, seed_t, *side_args, *grad_args, *strides, **meta)
+        module.bwd_q[(math.ceil(max_len / meta["BLOCK_M"]), B, H)](
+            q, k, v, grad_out, lse, delta, dq, offsets, positions, seed_t, *side_args, *grad_args, *strides, **meta)
+    if not use_qk:
+        dq.zero_(), dk.zero_()
+
+    def side_grads(sides, acc):
+        return [acc[i].sum(1).to(t.dtype) if i in acc else
+                (torch.zeros_like(t) if t.is_floating_point() else _grad_placeholder(t)) for i, t in enumerate(sides)]
+    d_tables = [dtabs[i].to(t.dtype) if i in dtabs else
+                (torch.zeros_like(t) if t.is_floating_point() else _grad_placeholder(t)) for i, t in enumerate(tables)]
+    return dq, dk, dv, side_grads(q_side, dqs), side_grads(k_side, dks), d_tables
+
+
+__all__ = ["attention_triton", "attention_backward_triton", "kernels_for", "Variant", "FALLBACKS",
+           "TritonFallback"]

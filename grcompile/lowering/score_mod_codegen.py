@@ -1,0 +1,662 @@
+"""Generate Triton code for a registered score_mod: its value per (query, key) tile, and its
+reverse-mode derivative (the gradient of the raw score, of every floating side tensor and every
+floating table), so one attention kernel template serves *any* bias a user wrote.
+
+Input: a :class:`~.score_mod.ScoreMod` (a captured ``fx.GraphModule`` of the ``"score"`` kind, or a
+plain ``"bias"`` function, traced here with ``torch.fx``). Each node's dtype and shape come from
+running the graph on fake tensors whose broadcast axes have distinct sizes (heads 2, queries 3,
+keys 5), so every value gets a *role*: varies along the queries, the keys, both or neither (the
+head is a scalar inside one kernel program). A value that is not a broadcast of those (a table
+lookup that leaves a trailing axis, a reduction, a matmul) is not pointwise: :class:`Unsupported`,
+with a sentence naming the op, and the caller runs the reference instead.
+
+Output (:class:`ScoreModCode`): lines of Triton source over the names the kernel template defines
+(``s`` the raw score tile ``[BM, BN]``, ``q_pos [BM, 1]``, ``k_pos [1, BN]`` int64, ``head``,
+``qs{i}`` / ``ks{i}`` loaded side values, ``tab{i}`` pointers with ``tab{i}_n{d}`` sizes and
+``tab{i}_s{d}`` strides, ``PAIR`` the in-row pair mask):
+
+* ``forward``: ends with ``s_mod = ...`` and ORs out-of-range table indices into ``oob``;
+* ``backward``: from ``g_mod`` (the gradient of ``s_mod``) computes ``g_s`` (raw score), and
+  emits ``tl.atomic_add`` into ``dtab{i}`` (float tables) and reductions into ``g_qs{i}`` /
+  ``g_ks{i}`` (float sides, ``[BM, 1]`` / ``[1, BN]``).
+
+Semantics kept: torch's dtypes (every result is cast to the dtype torch gives), negative table
+indices wrap like torch indexing, an index out of range reads nothing and is reported (torch
+raises). Transcendentals use Triton's (a few ulps from torch's; a bucket boundary computed by
+``log`` can flip where torch and Triton round differently, as with any compiler).
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .score_mod import ScoreMod
+
+_HEADS, _LQ, _LK = 2, 3, 5  # distinct example sizes: a node's shape names the axes it varies along
+
+
+class Unsupported(Exception):
+    """The score_mod cannot be generated into the kernel; the message is the user-facing reason."""
+
+
+_TL_DTYPE = {torch.float32: "tl.float32", torch.float64: "tl.float64", torch.float16: "tl.float16",
+             torch.bfloat16: "tl.bfloat16", torch.int64: "tl.int64", torch.int32: "tl.int32",
+             torch.int16: "tl.int16", torch.int8: "tl.int8", torch.uint8: "tl.uint8", torch.bool: "tl.int1"}
+
+
+@dataclass
+class Value:
+    expr: str  # a Triton name or literal
+    dtype: Optional[torch.dtype]  # None: a Python scalar constant
+    roles: frozenset  # subset of {"q", "k"}
+    node: Optional[fx.Node] = None
+
+
+@dataclass
+class ScoreModCode:
+    inputs: list[str]  # the graph's inputs, in order: score, q_pos, k_pos, [head], sides..., tables...
+    n_q_side: int
+    n_k_side: int
+    n_tables: int
+    uses_head: bool
+    forward: list[str] = field(default_factory=list)
+    backward: list[str] = field(default_factory=list)
+    constants: list[torch.Tensor] = field(default_factory=list)  # get_attr tensors, passed as extra tables
+    float_tables: list[int] = field(default_factory=list)  # indices of tables that receive gradients
+    float_q_sides: list[int] = field(default_factory=list)
+    float_k_sides: list[int] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------
+# from a ScoreMod to a "score"-convention graph
+
+
+def score_graph(mod: ScoreMod, n_q_side: int, n_k_side: int, n_tables: int) -> fx.GraphModule:
+    """``mod`` as a GraphModule ``(score, q_pos, k_pos, [head], *q_sides, *k_sides, *tables)``."""
+    if mod.kind == "score" and isinstance(mod.fn, fx.GraphModule):
+        return mod.fn
+    names = ["score", "q_pos", "k_pos"] + (["head"] if mod.head else []) + \
+        [f"q_side_{i}" for i in range(n_q_side)] + [f"k_side_{i}" for i in range(n_k_side)] + \
+        [f"table_{i}" for i in range(n_tables)]
+    fn = mod.fn
+    if mod.kind == "bias":
+        src = (f"def wrapped({', '.join(names)}):\n"
+               f"    return score + fn(q_pos, k_pos, ({''.join(f'q_side_{i}, ' for i in range(n_q_side))}), "
+               f"({''.join(f'k_side_{i}, ' for i in range(n_k_side))}), "
+               f"({''.join(f'table_{i}, ' for i in range(n_tables))}))\n")
+    else:
+        src = f"def wrapped({', '.join(names)}):\n    return fn({', '.join(names)})\n"
+    scope: dict[str, Any] = {"fn": fn}
+    exec(src, scope)  # noqa: S102 - a fixed template over our own argument names
+    try:
+        return fx.symbolic_trace(scope["wrapped"])
+    except Exception as error:  # noqa: BLE001 - any tracing failure is a reason to run the reference
+        raise Unsupported(f"the score_mod {getattr(fn, '__name__', fn)!r} cannot be traced by torch.fx "
+                          f"({type(error).__name__}: {error})") from None
+
+
+# --------------------------------------------------------------------------------------------
+# shape / dtype propagation on fake tensors
+
+
+def _example_inputs(gm: fx.GraphModule, uses_head: bool, q_sides, k_sides, tables, mode: FakeTensorMode):
+    def fake(shape, dtype):
+        return mode.from_tensor(torch.empty(shape, dtype=dtype))
+    args = [fake((1, _HEADS, _LQ, _LK), torch.float32), fake((1, 1, _LQ, 1), torch.int64),
+            fake((1, 1, 1, _LK), torch.int64)]
+    if uses_head:
+        args.append(fake((1, _HEADS, 1, 1), torch.int64))
+    args += [fake((1, 1, _LQ, 1), t.dtype) for t in q_sides]
+    args += [fake((1, 1, 1, _LK), t.dtype) for t in k_sides]
+    args += [fake(tuple(t.shape), t.dtype) for t in tables]
+    return args
+
+
+def _propagate(gm: fx.GraphModule, args) -> dict[fx.Node, Any]:
+    metas: dict[fx.Node, Any] = {}
+
+    class _Recorder(fx.Interpreter):
+        def run_node(self, n):
+            result = super().run_node(n)
+            metas[n] = result
+            return result
+
+    _Recorder(gm).run(*args)
+    return metas
+
+
+def _roles(node: fx.Node, meta: Any) -> frozenset:
+    if not isinstance(meta, torch.Tensor):
+        return frozenset()
+    shape = tuple(meta.shape)
+    if len(shape) > 4:
+        raise Unsupported(f"{_where(node)} has {len(shape)} axes: only values that broadcast to "
+                          "[rows, heads, queries, keys] can be computed per pair")
+    shape = (1,) * (4 - len(shape)) + shape
+    if shape[0] != 1 or shape[1] not in (1, _HEADS) or shape[2] not in (1, _LQ) or shape[3] not in (1, _LK):
+        raise Unsupported(f"{_where(node)} is not a per-(query, key) value (a lookup that keeps a table "
+                          "axis, or a reduction)")
+    return frozenset(r for r, size, full in (("q", shape[2], _LQ), ("k", shape[3], _LK)) if size == full)
+
+
+def _where(node: fx.Node) -> str:
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", repr(target))
+    return f"`{name}` ({node.name})"
+
+
+# --------------------------------------------------------------------------------------------
+# the generator
+
+
+class _Gen:
+    def __init__(self, gm: fx.GraphModule, metas: dict, code: ScoreModCode, q_sides, k_sides, tables):
+        self.gm, self.metas, self.code = gm, metas, code
+        self.values: dict[fx.Node, Value] = {}
+        self.lines = code.forward
+        self.tables: dict[fx.Node, int] = {}  # table placeholder / get_attr -> table slot
+        self.n_tab = len(tables)
+        self.tmp = 0
+        self.side_dtypes = ([t.dtype for t in q_sides], [t.dtype for t in k_sides])
+        self.table_meta = [(tuple(t.shape), t.dtype) for t in tables]
+
+    def fresh(self, prefix="v") -> str:
+        self.tmp += 1
+        return f"{prefix}{self.tmp}"
+
+    def emit(self, expr: str, node: fx.Node, roles: frozenset) -> Value:
+        meta = self.metas[node]
+        dtype = meta.dtype if isinstance(meta, torch.Tensor) else None
+        name = self.fresh()
+        cast = f".to({_TL_DTYPE[dtype]})" if dtype in _TL_DTYPE and dtype != torch.bool else ""
+        self.lines.append(f"{name} = ({expr}){cast}")
+        return Value(name, dtype, roles, node)
+
+    # -- inputs --------------------------------------------------------------------------------
+    def placeholders(self) -> None:
+        c = self.code
+        ph = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        expected = 3 + c.uses_head + c.n_q_side + c.n_k_side + c.n_tables
+        if len(ph) != expected:
+            raise Unsupported(f"the score_mod takes {len(ph)} inputs, the attention op passes {expected}")
+        fixed = [("s", torch.float32, {"q", "k"}), ("q_pos", torch.int64, {"q"}), ("k_pos", torch.int64, {"k"})]
+        if c.uses_head:
+            fixed.append(("head", torch.int64, set()))
+        fixed += [(f"qs{i}", d, {"q"}) for i, d in enumerate(self.side_dtypes[0])]
+        fixed += [(f"ks{i}", d, {"k"}) for i, d in enumerate(self.side_dtypes[1])]
+        for node, (expr, dtype, roles) in zip(ph, fixed):
+            self.values[node] = Value(expr, dtype, frozenset(roles), node)
+        for i, node in enumerate(ph[len(fixed):]):
+            self.tables[node] = i
+
+    # -- nodes ---------------------------------------------------------------------------------
+    def arg(self, a: Any) -> Value:
+        if isinstance(a, fx.Node):
+            if a in self.tables:
+                raise Unsupported(f"the table {a.name} is used other than by an index lookup")
+            return self.values[a]
+        if isinstance(a, bool):
+            return Value("True" if a else "False", None, frozenset())
+        if isinstance(a, (int, float)):
+            if isinstance(a, float) and not math.isfinite(a):
+                return Value("float('inf')" if a > 0 else ("float('-inf')" if a < 0 else "float('nan')"),
+                             None, frozenset())
+            return Value(repr(a), None, frozenset())
+        raise Unsupported(f"an argument of type {type(a).__name__} inside the score_mod")
+
+    def run(self) -> Value:
+        self.placeholders()
+        out = None
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                out = node.args[0]
+                break
+            if node.op == "get_attr":
+                self.constant_table(node)
+                continue
+            self.values[node] = self.node(node)
+        if not isinstance(out, fx.Node) or out not in self.values:
+            raise Unsupported("the score_mod does not return one tensor")
+        return self.values[out]
+
+    def constant_table(self, node: fx.Node) -> None:
+        value = self.gm
+        for part in str(node.target).split("."):
+            value = getattr(value, part)
+        if not isinstance(value, torch.Tensor):
+            raise Unsupported(f"the constant {node.target} is not a tensor")
+        if value.dim() == 0:
+            self.values[node] = Value(repr(value.item()), None, frozenset(), node)
+            return
+        self.tables[node] = self.n_tab + len(self.code.constants)
+        self.code.constants.append(value.detach())
+
+    def node(self, node: fx.Node) -> Value:
+        target = node.target
+        if node.op == "call_method":
+            handler = _METHODS.get(target)
+        elif node.op == "call_function":
+            handler = _FUNCTIONS.get(target)
+        else:
+            handler = None
+        if handler is None:
+            raise Unsupported(f"{_where(node)} is not an op the Triton score_mod generator knows")
+        meta = self.metas[node]
+        roles = _roles(node, meta)
+        return handler(self, node, roles)
+
+    def lookup(self, node: fx.Node, roles: frozenset) -> Value:
+        table, index = node.args
+        if table not in self.tables:
+            raise Unsupported(f"{_where(node)} indexes a computed tensor; only table[index] lookups")
+        slot = self.tables[table]
+        index = index if isinstance(index, tuple) else (index,)
+        shape, _ = self.table_meta[slot] if slot < self.n_tab else \
+            (tuple(self.code.constants[slot - self.n_tab].shape), None)
+        if len(index) != len(shape) or not all(isinstance(i, fx.Node) for i in index):
+            raise Unsupported(f"{_where(node)} must index every axis of its table with a tensor "
+                              f"(table shape {list(shape)}, {len(index)} index(es))")
+        offset, ok = [], []
+        for d, i in enumerate(index):
+            v = self.values[i]
+            if v.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+                raise Unsupported(f"{_where(node)} indexes with a {v.dtype} tensor")
+            w = self.fresh("ix")
+            self.lines.append(f"{w} = {v.expr}.to(tl.int64)")
+            self.lines.append(f"{w} = tl.where({w} < 0, {w} + tab{slot}_n{d}, {w})")
+            ok.append(f"({w} >= 0) & ({w} < tab{slot}_n{d})")
+            offset.append(f"{w} * tab{slot}_s{d}")
+        off, inb = self.fresh("off"), self.fresh("inb")
+        self.lines.append(f"{off} = {' + '.join(offset)}")
+        self.lines.append(f"{inb} = {' & '.join(ok)}")
+        self.lines.append(f"oob = oob | tl.max(tl.max((PAIR & ({inb} == 0)).to(tl.int32), 1), 0)")
+        value = self.emit(f"tl.load(tab{slot} + {off}, mask=PAIR & {inb}, other=0)", node, roles)
+        value.lookup = (slot, off, inb)  # type: ignore[attr-defined]
+        return value
+
+
+def _binary(op: str) -> Callable:
+    def handler(gen: _Gen, node: fx.Node, roles):
+        a, b = (gen.arg(x) for x in node.args[:2])
+        return gen.emit(f"{a.expr} {op} {b.expr}", node, roles)
+    return handler
+
+
+def _reflected(op: str) -> Callable:
+    def handler(gen: _Gen, node: fx.Node, roles):
+        a, b = (gen.arg(x) for x in node.args[:2])
+        return gen.emit(f"{b.expr} {op} {a.expr}", node, roles)
+    return handler
+
+
+def _unary(template: str) -> Callable:
+    def handler(gen: _Gen, node: fx.Node, roles):
+        x = gen.arg(node.args[0])
+        if x.dtype is not None and not x.dtype.is_floating_point and "{x}" in template and "tl." in template:
+            x = Value(f"{x.expr}.to(tl.float32)", torch.float32, x.roles)
+        return gen.emit(template.format(x=x.expr), node, roles)
+    return handler
+
+
+def _cast(gen: _Gen, node: fx.Node, roles):
+    return gen.emit(gen.arg(node.args[0]).expr, node, roles)
+
+
+def _where_fn(gen: _Gen, node: fx.Node, roles):
+    c, a, b = (gen.arg(x) for x in node.args[:3])
+    return gen.emit(f"tl.where({c.expr}, {a.expr}, {b.expr})", node, roles)
+
+
+def _masked_fill(gen: _Gen, node: fx.Node, roles):
+    x, m, val = (gen.arg(a) for a in node.args[:3])
+    return gen.emit(f"tl.where({m.expr}, {val.expr}, {x.expr})", node, roles)
+
+
+def _clamp(gen: _Gen, node: fx.Node, roles):
+    x = gen.arg(node.args[0])
+    lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
+    hi = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
+    if node.target in ("clamp_min",) or node.target is torch.clamp_min:
+        lo, hi = node.args[1], None
+    if node.target in ("clamp_max",) or node.target is torch.clamp_max:
+        lo, hi = None, node.args[1]
+    expr = x.expr
+    if lo is not None:
+        lo_v = gen.arg(lo)
+        expr = f"tl.where({expr} < {lo_v.expr}, {lo_v.expr}, {expr})"
+    if hi is not None:
+        hi_v = gen.arg(hi)
+        expr = f"tl.where({expr} > {hi_v.expr}, {hi_v.expr}, {expr})"
+    return gen.emit(expr, node, roles)
+
+
+def _minmax(kind: str) -> Callable:
+    def handler(gen: _Gen, node: fx.Node, roles):
+        if len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+            raise Unsupported(f"{_where(node)}: only the two-tensor form of {kind} is supported")
+        a, b = (gen.arg(x) for x in node.args)
+        cmp = "<" if kind == "min" else ">"
+        return gen.emit(f"tl.where({a.expr} {cmp} {b.expr}, {a.expr}, {b.expr})", node, roles)
+    return handler
+
+
+def _full(gen: _Gen, node: fx.Node, roles):
+    size = node.args[0]
+    if tuple(size) != ():
+        raise Unsupported(f"{_where(node)} builds a tensor of shape {list(size)} inside the score_mod")
+    return gen.emit(repr(node.args[1]), node, roles)
+
+
+def _full_like(value: Optional[float]) -> Callable:
+    def handler(gen: _Gen, node: fx.Node, roles):
+        x = gen.arg(node.args[0])
+        fill = value if value is not None else node.args[1]
+        return gen.emit(f"tl.zeros_like({x.expr}) + {fill!r}", node, roles)
+    return handler
+
+
+def _getitem(gen: _Gen, node: fx.Node, roles):
+    return gen.lookup(node, roles)
+
+
+def _to(gen: _Gen, node: fx.Node, roles):
+    dtype = next((a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, torch.dtype)), None)
+    if dtype is None and any(isinstance(a, (torch.device, str)) for a in node.args[1:]):
+        dtype = None
+    return gen.emit(gen.arg(node.args[0]).expr, node, roles)
+
+
+def _pow(gen: _Gen, node: fx.Node, roles):
+    x, e = node.args[:2]
+    if isinstance(e, fx.Node) or e not in (2, 2.0, 3, 0.5, -1, -0.5, 1):
+        raise Unsupported(f"{_where(node)}: only x ** 2, 3, 0.5, -0.5, -1 are supported")
+    xv = gen.arg(x).expr
+    expr = {2: f"{xv} * {xv}", 3: f"{xv} * {xv} * {xv}", 0.5: f"tl.sqrt({xv})", -0.5: f"tl.rsqrt({xv})",
+            -1: f"1.0 / {xv}", 1: xv}[e]
+    return gen.emit(expr, node, roles)
+
+
+def _div(gen: _Gen, node: fx.Node, roles):
+    rounding = node.kwargs.get("rounding_mode")
+    if rounding is not None:
+        raise Unsupported(f"{_where(node)}: division with rounding_mode={rounding!r}")
+    a, b = (gen.arg(x) for x in node.args[:2])
+    fa = a.expr if (a.dtype is None or a.dtype.is_floating_point) else f"{a.expr}.to(tl.float32)"
+    return gen.emit(f"{fa} / {b.expr}", node, roles)
+
+
+def _floordiv(gen: _Gen, node: fx.Node, roles):
+    a, b = (gen.arg(x) for x in node.args[:2])
+    if any(v.dtype is not None and v.dtype.is_floating_point for v in (a, b)):
+        raise Unsupported(f"{_where(node)}: floor division of floating values")
+    # torch floors; Triton's integer // truncates toward zero
+    q = gen.fresh("fd")
+    gen.lines.append(f"{q} = {a.expr} // {b.expr}")
+    return gen.emit(f"tl.where(({q} * {b.expr} != {a.expr}) & (({a.expr} < 0) != ({b.expr} < 0)), {q} - 1, {q})",
+                    node, roles)
+
+
+def _log1p(gen: _Gen, node: fx.Node, roles):
+    x = gen.arg(node.args[0])
+    xv = x.expr if x.dtype is None or x.dtype.is_floating_point else f"{x.expr}.to(tl.float32)"
+    u = gen.fresh("u")
+    gen.lines.append(f"{u} = 1.0 + {xv}")
+    # log(u) * x / (u - 1): accurate for small x (Goldberg), exact when u == 1
+    return gen.emit(f"tl.where({u} == 1.0, {xv}, tl.log({u}) * ({xv} / ({u} - 1.0)))", node, roles)
+
+
+def _silu(gen: _Gen, node: fx.Node, roles):
+    x = gen.arg(node.args[0]).expr
+    return gen.emit(f"{x} / (1.0 + tl.exp(-{x}))", node, roles)
+
+
+def _invert(gen: _Gen, node: fx.Node, roles):
+    x = gen.arg(node.args[0])
+    return gen.emit(f"{x.expr} == 0" if x.dtype == torch.bool else f"~{x.expr}", node, roles)
+
+
+def _neg(gen: _Gen, node: fx.Node, roles):
+    return gen.emit(f"-{gen.arg(node.args[0]).expr}", node, roles)
+
+
+_FLOAT_UNARY = {"exp": "tl.exp({x})", "log": "tl.log({x})", "sqrt": "tl.sqrt({x})", "rsqrt": "tl.rsqrt({x})",
+                "sigmoid": "1.0 / (1.0 + tl.exp(-{x}))", "tanh": "2.0 / (1.0 + tl.exp(-2.0 * {x})) - 1.0",
+                "floor": "tl.floor({x})", "ceil": "tl.ceil({x})"}
+_ANY_UNARY = {"abs": "tl.abs({x})", "relu": "tl.where({x} > 0, {x}, 0)"}
+
+_FUNCTIONS: dict[Any, Callable] = {
+    operator.add: _binary("+"), operator.sub: _binary("-"), operator.mul: _binary("*"),
+    operator.truediv: _div, operator.floordiv: _floordiv, operator.neg: _neg, operator.invert: _invert,
+    operator.lt: _binary("<"), operator.le: _binary("<="), operator.gt: _binary(">"), operator.ge: _binary(">="),
+    operator.eq: _binary("=="), operator.ne: _binary("!="),
+    operator.and_: _binary("&"), operator.or_: _binary("|"), operator.xor: _binary("^"),
+    operator.getitem: _getitem, operator.pow: _pow, operator.abs: _unary("tl.abs({x})"),
+    torch.add: _binary("+"), torch.sub: _binary("-"), torch.mul: _binary("*"), torch.div: _div,
+    torch.true_divide: _div, torch.neg: _neg, torch.where: _where_fn, torch.clamp: _clamp, torch.clip: _clamp,
+    torch.clamp_min: _clamp, torch.clamp_max: _clamp, torch.minimum: _minmax("min"), torch.maximum: _minmax("max"),
+    torch.min: _minmax("min"), torch.max: _minmax("max"), torch.full: _full,
+    torch.zeros_like: _full_like(0), torch.ones_like: _full_like(1), torch.full_like: _full_like(None),
+    torch.log1p: _log1p, F.silu: _silu, torch.nn.functional.relu: _unary(_ANY_UNARY["relu"]),
+    torch.pow: _pow, torch.masked_fill: _masked_fill, torch.lt: _binary("<"), torch.le: _binary("<="),
+    torch.gt: _binary(">"), torch.ge: _binary(">="), torch.eq: _binary("=="), torch.ne: _binary("!="),
+    torch.logical_and: _binary("&"), torch.logical_or: _binary("|"), torch.logical_not: _invert,
+    torch.abs: _unary(_ANY_UNARY["abs"]), torch.relu: _unary(_ANY_UNARY["relu"]),
+}
+for _name, _tpl in _FLOAT_UNARY.items():
+    _FUNCTIONS[getattr(torch, _name)] = _unary(_tpl)
+_FUNCTIONS[torch.sigmoid] = _unary(_FLOAT_UNARY["sigmoid"])
+
+_METHODS: dict[str, Callable] = {
+    "add": _binary("+"), "sub": _binary("-"), "mul": _binary("*"), "div": _div, "true_divide": _div,
+    "__radd__": _reflected("+"), "__rsub__": _reflected("-"), "__rmul__": _reflected("*"),
+    "neg": _neg, "abs": _unary(_ANY_UNARY["abs"]), "relu": _unary(_ANY_UNARY["relu"]),
+    "float": _cast, "double": _cast, "long": _cast, "int": _cast, "half": _cast, "bfloat16": _cast,
+    "bool": _cast, "to": _to, "type": _to, "type_as": _cast, "masked_fill": _masked_fill, "clamp": _clamp,
+    "clamp_min": _clamp, "clamp_max": _clamp, "clip": _clamp, "log1p": _log1p, "pow": _pow,
+    "lt": _binary("<"), "le": _binary("<="), "gt": _binary(">"), "ge": _binary(">="), "eq": _binary("=="),
+    "ne": _binary("!="), "logical_not": _invert, "minimum": _minmax("min"), "maximum": _minmax("max"),
+    "contiguous": _cast,
+}
+for _name, _tpl in _FLOAT_UNARY.items():
+    _METHODS[_name] = _unary(_tpl)
+
+
+# --------------------------------------------------------------------------------------------
+# reverse mode
+
+
+class _Backward:
+    """Adjoints of the float values that depend on a differentiable input, in reverse order."""
+
+    def __init__(self, gen: _Gen, out: Value, grad_tables: list[int], grad_q: list[int], grad_k: list[int]):
+        self.gen, self.out, self.lines = gen, out, gen.code.backward
+        self.adj: dict[fx.Node, str] = {}
+        self.grad_tables, self.grad_q, self.grad_k = set(grad_tables), set(grad_q), set(grad_k)
+        self.needs = self._needs_grad()
+
+    def _needs_grad(self) -> set:
+        gen, needs = self.gen, set()
+        for node, value in gen.values.items():
+            if node.op == "placeholder":
+                e = value.expr
+                if e == "s" or (e.startswith("qs") and int(e[2:]) in self.grad_q) or \
+                        (e.startswith("ks") and int(e[2:]) in self.grad_k):
+                    needs.add(node)
+                continue
+            if value.dtype is None or not value.dtype.is_floating_point:
+                continue
+            lookup = getattr(value, "lookup", None)
+            if lookup is not None and lookup[0] in self.grad_tables:
+                needs.add(node)
+            elif any(isinstance(a, fx.Node) and a in needs for a in node.all_input_nodes):
+                needs.add(node)
+        return needs
+
+    def add(self, node: Any, contribution: str, roles_from: frozenset) -> None:
+        if not isinstance(node, fx.Node) or node not in self.needs:
+            return
+        target = self.gen.values[node].roles
+        c = contribution
+        if roles_from - target or not roles_from:
+            c = f"tl.where(PAIR, {c}, 0.0)"  # garbage lanes (out of the row) must not enter a sum
+        if "k" in roles_from and "k" not in target:
+            c = f"tl.sum({c}, axis=1, keep_dims=True)"
+        if "q" in roles_from and "q" not in target:
+            c = f"tl.sum({c}, axis=0, keep_dims=True)"
+        name = self.gen.fresh("g")
+        prev = self.adj.get(node)
+        self.lines.append(f"{name} = {c}" if prev is None else f"{name} = {prev} + {c}")
+        self.adj[node] = name
+
+    def run(self) -> None:
+        gen = self.gen
+        if self.out.node is None or self.out.node not in self.needs:
+            self.lines.append("g_s = tl.zeros_like(s)")
+            return
+        self.adj[self.out.node] = "g_mod"
+        for node in reversed(list(gen.values)):
+            g = self.adj.get(node)
+            if g is None or node.op == "placeholder":
+                continue
+            self.rule(node, g)
+        for node, value in gen.values.items():
+            if node.op != "placeholder":
+                continue
+            g = self.adj.get(node)
+            e = value.expr
+            if e == "s":
+                self.lines.append(f"g_s = {g}" if g else "g_s = tl.zeros_like(s)")
+            elif g and e.startswith("qs"):
+                self.lines.append(f"g_qs{e[2:]} = tl.where(PAIR, {g} + tl.zeros_like(s), 0.0)")
+            elif g and e.startswith("ks"):
+                self.lines.append(f"g_ks{e[2:]} = tl.where(PAIR, {g} + tl.zeros_like(s), 0.0)")
+
+    def rule(self, node: fx.Node, g: str) -> None:
+        gen, v = self.gen, self.gen.values[node]
+        roles = v.roles
+        args = node.args
+        t = node.target
+        name = t if isinstance(t, str) else getattr(t, "__name__", "")
+        lookup = getattr(v, "lookup", None)
+        if lookup is not None:
+            slot, off, inb = lookup
+            if slot in self.grad_tables:
+                gg = f"tl.where(PAIR & {inb}, {g} + tl.zeros_like(s), 0.0)"
+                self.lines.append(f"tl.atomic_add(dtab{slot} + {off} + tl.zeros_like(s).to(tl.int64), {gg}, "
+                                  f"mask=PAIR & {inb})")
+            return
+
+        def x(i):
+            return gen.arg(args[i]).expr
+
+        if name in ("add", "__radd__") or t is torch.add:
+            self.add(args[0], g, roles)
+            self.add(args[1], g, roles)
+        elif name in ("sub",) or t is torch.sub:
+            self.add(args[0], g, roles)
+            self.add(args[1], f"-{g}", roles)
+        elif name == "__rsub__":
+            self.add(args[0], f"-{g}", roles)
+        elif name in ("mul", "__rmul__") or t is torch.mul:
+            self.add(args[0], f"{g} * {x(1)}", roles)
+            self.add(args[1], f"{g} * {x(0)}", roles)
+        elif name in ("truediv", "div", "true_divide") or t is torch.div:
+            self.add(args[0], f"{g} / {x(1)}", roles)
+            self.add(args[1], f"-{g} * {v.expr} / {x(1)}", roles)
+        elif name == "neg":
+            self.add(args[0], f"-{g}", roles)
+        elif name in ("float", "double", "half", "bfloat16", "to", "type", "type_as", "contiguous"):
+            self.add(args[0], g, roles)
+        elif name == "where":
+            self.add(args[1], f"tl.where({x(0)}, {g}, 0.0)", roles)
+            self.add(args[2], f"tl.where({x(0)}, 0.0, {g})", roles)
+        elif name == "masked_fill":
+            self.add(args[0], f"tl.where({x(1)}, 0.0, {g})", roles)
+        elif name in ("clamp", "clip", "clamp_min", "clamp_max"):
+            lo = args[1] if len(args) > 1 else node.kwargs.get("min")
+            hi = args[2] if len(args) > 2 else node.kwargs.get("max")
+            if name == "clamp_max":
+                lo, hi = None, args[1]
+            keep = ["(1 == 1)"]
+            if lo is not None:
+                keep.append(f"({x(0)} >= {gen.arg(lo).expr})")
+            if hi is not None:
+                keep.append(f"({x(0)} <= {gen.arg(hi).expr})")
+            self.add(args[0], f"tl.where({' & '.join(keep)}, {g}, 0.0)", roles)
+        elif name in ("minimum", "maximum", "min", "max"):
+            a, b = x(0), x(1)
+            win = "<" if name in ("minimum", "min") else ">"
+            self.add(args[0], f"tl.where({a} == {b}, {g} * 0.5, tl.where({a} {win} {b}, {g}, 0.0))", roles)
+            self.add(args[1], f"tl.where({a} == {b}, {g} * 0.5, tl.where({a} {win} {b}, 0.0, {g}))", roles)
+        elif name == "abs":
+            self.add(args[0], f"tl.where({x(0)} > 0, {g}, tl.where({x(0)} < 0, -{g}, 0.0))", roles)
+        elif name == "exp":
+            self.add(args[0], f"{g} * {v.expr}", roles)
+        elif name == "log":
+            self.add(args[0], f"{g} / {x(0)}", roles)
+        elif name == "log1p":
+            self.add(args[0], f"{g} / (1.0 + {x(0)})", roles)
+        elif name == "sqrt":
+            self.add(args[0], f"{g} * 0.5 / {v.expr}", roles)
+        elif name == "rsqrt":
+            self.add(args[0], f"{g} * -0.5 * {v.expr} * {v.expr} * {v.expr}", roles)
+        elif name == "sigmoid":
+            self.add(args[0], f"{g} * {v.expr} * (1.0 - {v.expr})", roles)
+        elif name == "tanh":
+            self.add(args[0], f"{g} * (1.0 - {v.expr} * {v.expr})", roles)
+        elif name == "silu":
+            sg = gen.fresh("sg")
+            self.lines.append(f"{sg} = 1.0 / (1.0 + tl.exp(-{x(0)}))")
+            self.add(args[0], f"{g} * {sg} * (1.0 + {x(0)} * (1.0 - {sg}))", roles)
+        elif name == "relu":
+            self.add(args[0], f"tl.where({x(0)} > 0, {g}, 0.0)", roles)
+        elif name == "pow":
+            e = args[1]
+            xv = x(0)
+            d = {2: f"2.0 * {xv}", 3: f"3.0 * {xv} * {xv}", 0.5: f"0.5 / {v.expr}",
+                 -0.5: f"-0.5 * {v.expr} / {xv}", -1: f"-{v.expr} * {v.expr}", 1: "1.0"}[e]
+            self.add(args[0], f"{g} * {d}", roles)
+        elif name in ("floor", "ceil", "full", "zeros_like", "ones_like", "full_like"):
+            return  # zero derivative (floor/ceil almost everywhere, as torch)
+        else:
+            raise Unsupported(f"{_where(node)} has no derivative rule in the Triton score_mod generator")
+
+
+def generate(mod: ScoreMod, q_sides, k_sides, tables, *, backward: bool) -> ScoreModCode:
+    """Triton source for ``mod`` on sides/tables with these dtypes and shapes (see the module docstring)."""
+    gm = score_graph(mod, len(q_sides), len(k_sides), len(tables))
+    code = ScoreModCode([n.name for n in gm.graph.nodes if n.op == "placeholder"], len(q_sides), len(k_sides),
+                        len(tables), mod.head)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        try:
+            metas = _propagate(gm, _example_inputs(gm, mod.head, q_sides, k_sides, tables, mode))
+        except Unsupported:
+            raise
+        except Exception as error:  # noqa: BLE001
+            raise Unsupported(f"the score_mod could not be evaluated on example shapes "
+                              f"({type(error).__name__}: {str(error)[:200]})") from None
+    gen = _Gen(gm, metas, code, q_sides, k_sides, tables)
+    out = gen.run()
+    if out.dtype is not None and not out.dtype.is_floating_point:
+        raise Unsupported(f"the score_mod returns {out.dtype}, not a floating score")
+    expr = out.expr if out.roles == frozenset({"q", "k"}) else f"{out.expr} + tl.zeros_like(s)"
+    code.forward.append(f"s_mod = ({expr}).to(tl.float32)")
+    code.float_tables = [i for i, t in enumerate(tables) if t.is_floating_point()]
+    code.float_q_sides = [i for i, t in enumerate(q_sides) if t.is_floating_point()]
+    code.float_k_sides = [i for i, t in enumerate(k_sides) if t.is_floating_point()]
+    if backward:
+        _Backward(gen, out, code.float_tables, code.float_q_sides, code.float_k_sides).run()
+    return code
+
+
+__all__ = ["Unsupported", "ScoreModCode", "generate", "score_graph"]
