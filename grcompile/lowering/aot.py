@@ -1,0 +1,556 @@
+"""Ahead-of-time compile report for grcompile's Triton kernels: no GPU needed.
+
+    python -m grcompile.lowering.aot --arch sm_80,sm_90 --json aot.json
+
+Every kernel configuration that a *provider* lists is compiled by Triton for each target
+architecture (``triton.compile`` with an explicit ``GPUTarget``: TTIR → TTGIR → LLVM IR → PTX →
+cubin, all on the CPU), and its resources are read back:
+
+- registers, stack frame and spill bytes (stores + loads): ``ptxas -v`` re-run on the kernel's PTX with the flags
+  Triton itself used for the cubin (Triton's own ``-v`` log is discarded, and the compiled
+  kernel's ``n_regs`` / ``n_spills`` are only filled in when a driver loads the cubin on a GPU);
+  the register count is cross-checked with ``cuobjdump --dump-resource-usage`` on Triton's cubin;
+- shared memory: ``metadata.shared``, the dynamic shared memory the launch requests, checked
+  against the architecture's per-block limit (Triton only checks that when it loads the kernel);
+- tensor cores: the architecture's own MMA instruction in the PTX (``mma.sync`` on sm_80,
+  ``wgmma`` on sm_90: a Hopper kernel that falls back to ``mma.sync`` runs at about half the
+  tensor-core peak and is reported as not using them).
+
+A provider is ``"module:function"``; the function returns a list of dicts with the keys
+``kernel`` (name), ``fn`` (a ``@triton.jit`` function), ``signature`` (argument → Triton type,
+``"*bf16"``, ``"i32"``, ``"fp32"``, ``"constexpr"``…), ``constexprs`` (argument → value),
+``num_warps``, ``num_stages``, ``config`` (JSON-able description), ``uses_dot`` (the kernel has a
+``tl.dot``) and optionally ``divisible_by_16`` (pointer/int arguments Triton may assume 16-aligned,
+default: every pointer, as a launch on PyTorch-allocated tensors specialises them) and
+``options`` (further ``triton.compile`` options such as ``maxnreg``).
+
+A record fails when the kernel does not compile, spills, needs more shared memory than the
+architecture has, or declares a ``tl.dot`` (or has one in its TTIR) without using the
+architecture's tensor-core instruction; the command exits 1 on any failure unless ``--no-fail``.
+A provider module that does not exist (yet) or raises on import gives a failing record that says
+so. ``--roofline`` (default on) adds the analytic attention cost at 8K tokens per row: see
+:func:`roofline` and :func:`attention_cost`.
+
+``TRITON_INTERPRET=1`` makes ``@triton.jit`` build interpreter functions that cannot be compiled;
+the command restarts itself without it (Triton reads it at import, which ``import torch`` does).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+PROVIDERS = [
+    "grcompile.lowering.norm_triton:aot_configs",
+    "grcompile.lowering.attention_triton:aot_configs",
+]
+
+# arch name -> compute capability. sm_90 compiles as sm_90a (Triton's choice: wgmma needs it).
+ARCHS = {"sm_80": 80, "sm_90": 90}
+# The architecture's own tensor-core MMA instruction, as it appears in Triton's PTX.
+TENSOR_CORE_PTX = {80: "mma.sync", 90: "wgmma"}
+_MMA_PATTERNS = {"mma.sync": re.compile(r"\bmma\.sync\b"), "wgmma": re.compile(r"\bwgmma\.mma_async\b")}
+# Largest dynamic shared memory one block may opt into (CUDA programming guide, compute
+# capabilities table): A100 163 KiB, H100 227 KiB.
+MAX_SHARED_BYTES = {80: 166912, 90: 232448}
+
+REQUIRED_KEYS = ("kernel", "fn", "signature", "constexprs", "num_warps", "num_stages", "config", "uses_dot")
+
+# H100 SXM: dense bf16 tensor-core peak and HBM3 bandwidth.
+H100_BF16_FLOPS = 989e12
+H100_BANDWIDTH = 3.35e12
+
+
+# ----------------------------------------------------------------------------- providers
+
+
+def load_providers(specs: Iterable[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(configs, provider_status)``: every provider's config dicts (each tagged with
+    ``provider``) and one status per provider: ``ok``, ``missing`` (its module does not exist) or
+    ``error`` (it raised, or its function is absent or returned something other than a list)."""
+    configs: list[dict[str, Any]] = []
+    status: list[dict[str, Any]] = []
+    for spec in specs:
+        module_name, _, attr = spec.partition(":")
+        entry: dict[str, Any] = {"provider": spec, "status": "ok", "error": None, "configs": 0}
+        try:
+            if not attr:
+                raise ValueError(f"provider {spec!r} is not of the form 'module:function'")
+            module = importlib.import_module(module_name)
+            found = getattr(module, attr)()
+            if not isinstance(found, list):
+                raise TypeError(f"{spec} returned {type(found).__name__}, expected a list of dicts")
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                entry.update(status="error", error=f"importing {module_name} failed: {e!r}")
+            else:
+                entry.update(status="missing", error=f"provider module {module_name} does not exist (yet)")
+        except Exception as e:  # report, never crash: a broken provider is one failing line
+            entry.update(status="error", error=f"{spec}: {_one_line(e)}")
+        else:
+            entry["configs"] = len(found)
+            configs.extend(dict(c, provider=spec) if isinstance(c, dict) else {"provider": spec, "bad": c}
+                           for c in found)
+        status.append(entry)
+    return configs, status
+
+
+def provider_record(entry: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The failing record that stands for a provider whose configs could not be listed."""
+    return _judge(_empty_record(kernel=entry["provider"], arch=arch, provider=entry["provider"],
+                                error=entry["error"]))
+
+
+# ----------------------------------------------------------------------------- compiling
+
+
+def _empty_record(**fields: Any) -> dict[str, Any]:
+    record = {"kernel": None, "provider": None, "arch": None, "config": None, "constexprs": None,
+              "compiled": False, "error": None, "registers": None, "spill_bytes": None,
+              "spill_store_bytes": None, "spill_load_bytes": None, "stack_bytes": None,
+              "shared_bytes": None, "num_warps": None, "num_stages": None, "tensor_cores": False,
+              "mma": [], "uses_dot": None, "ttir_has_dot": None, "compile_seconds": None,
+              "ptxas_seconds": None, "cache_hit": None, "notes": [], "failures": []}
+    record.update(fields)
+    return record
+
+
+def _one_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[0] if len(lines) <= 1 else f"{lines[0]} … {lines[-1]}"
+
+
+def _cc(arch: str) -> int:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {sorted(ARCHS)}")
+    return ARCHS[arch]
+
+
+def compile_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Compile one provider config for ``arch`` (``"sm_80"`` / ``"sm_90"``) and return its record.
+    Never raises for a kernel problem: the record says ``compiled: False`` and the error."""
+    record = _empty_record(kernel=cfg.get("kernel"), provider=cfg.get("provider"), arch=arch,
+                           config=cfg.get("config"), num_warps=cfg.get("num_warps"),
+                           num_stages=cfg.get("num_stages"), uses_dot=cfg.get("uses_dot"))
+    missing = [k for k in REQUIRED_KEYS if k not in cfg]
+    if missing:
+        record["error"] = f"provider config lacks {missing} (has {sorted(k for k in cfg if k != 'provider')})"
+        return _judge(record)
+    try:
+        record["constexprs"] = {k: _jsonable(v) for k, v in cfg["constexprs"].items()}
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.runtime.jit import JITFunction
+
+        cc = _cc(arch)
+        fn = cfg["fn"]
+        if not isinstance(fn, JITFunction):
+            raise TypeError(f"fn is a {type(fn).__name__}, not a @triton.jit function"
+                            + (" (TRITON_INTERPRET=1 was set when it was defined)"
+                               if type(fn).__name__ == "InterpretedFunction" else ""))
+        signature = dict(cfg["signature"])
+        divisible = cfg.get("divisible_by_16")
+        if divisible is None:
+            divisible = [a for a, t in signature.items() if t.startswith("*")]
+        unknown = [a for a in list(divisible) + list(cfg["constexprs"]) if a not in fn.arg_names]
+        if unknown:
+            raise ValueError(f"arguments {unknown} are not parameters of {fn.__name__}{tuple(fn.arg_names)}")
+        # Triton 3.9 keys attributes by argument path: (index,) -> [[name, value]].
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible}
+        src = ASTSource(fn=fn, signature=signature, constexprs=dict(cfg["constexprs"]), attrs=attrs)
+        options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **cfg.get("options", {})}
+        hits: list[bool] = []
+        listener_before = triton.knobs.compilation.listener
+        triton.knobs.compilation.listener = lambda **kw: hits.append(kw.get("cache_hit", False))
+        start = time.perf_counter()
+        try:
+            kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options)
+        finally:
+            triton.knobs.compilation.listener = listener_before
+        record["compile_seconds"] = round(time.perf_counter() - start, 3)
+        record["cache_hit"] = hits[-1] if hits else None
+    except Exception as e:
+        record["error"] = _one_line(e)
+        record["notes"].append(traceback.format_exc(limit=-3))
+        return _judge(record)
+
+    ptx = kernel.asm["ptx"]
+    record["compiled"] = True
+    record["shared_bytes"] = int(kernel.metadata.shared)
+    record["num_warps"] = int(kernel.metadata.num_warps)
+    record["num_stages"] = int(kernel.metadata.num_stages)
+    record["mma"] = sorted(name for name, pattern in _MMA_PATTERNS.items() if pattern.search(ptx))
+    record["tensor_cores"] = TENSOR_CORE_PTX[cc] in record["mma"]
+    record["ttir_has_dot"] = bool(re.search(r"\btt\.dot\b|\btt\.dot_scaled\b", kernel.asm["ttir"]))
+    try:
+        start = time.perf_counter()
+        record.update(ptxas_resources(ptx, cc, kernel.metadata))
+        record["ptxas_seconds"] = round(time.perf_counter() - start, 3)
+        cubin_regs = cubin_registers(kernel.asm["cubin"])
+        if cubin_regs is not None and cubin_regs != record["registers"]:
+            record["notes"].append(f"ptxas -v re-run reports {record['registers']} registers, "
+                                   f"Triton's cubin has {cubin_regs}")
+    except Exception as e:
+        record["error"] = f"ptxas -v: {_one_line(e)}"
+    return _judge(record)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    return repr(value)
+
+
+def _tool(name: str) -> str:
+    import triton.backends.nvidia as nvidia
+    return str(Path(nvidia.__file__).parent / "bin" / name)
+
+
+def ptxas_command(cc: int, metadata: Any) -> list[str]:
+    """The ``ptxas`` command Triton 3.9 runs for the cubin (``make_cubin``), output file excluded."""
+    from triton import knobs
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    debug = ["-lineinfo", "-suppress-debug-info"] if knobs.compilation.disable_line_info else ["-lineinfo"]
+    fmad = [] if metadata.enable_fp_fusion else ["--fmad=false"]
+    extra = metadata.ptx_options.split(" ") if metadata.ptx_options else []
+    return [get_ptxas(cc).path, *debug, *fmad, "-v", "--regAllocOptLevel=2", *extra,
+            f"--gpu-name={sm_arch_from_capability(cc)}"]
+
+
+def parse_ptxas_log(log: str) -> dict[str, int]:
+    """Registers, stack frame and spill bytes from a ``ptxas -v`` log (one kernel)."""
+    regs = re.search(r"Used (\d+) registers", log)
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if regs is None or frame is None:
+        raise ValueError(f"no register / stack-frame line in the ptxas log: {log.strip()[:500]!r}")
+    stack, stores, loads = (int(g) for g in frame.groups())
+    return {"registers": int(regs.group(1)), "stack_bytes": stack, "spill_store_bytes": stores,
+            "spill_load_bytes": loads, "spill_bytes": stores + loads}
+
+
+def ptxas_resources(ptx: str, cc: int, metadata: Any) -> dict[str, int]:
+    """Run ``ptxas -v`` on ``ptx`` as Triton does and parse its resource lines."""
+    with tempfile.TemporaryDirectory(prefix="grcompile-aot-") as tmp:
+        source = Path(tmp) / "kernel.ptx"
+        source.write_text(ptx)
+        cmd = [*ptxas_command(cc, metadata), str(source), "-o", str(Path(tmp) / "kernel.cubin")]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip()[:500]}")
+    return parse_ptxas_log(done.stdout + done.stderr)
+
+
+def cubin_registers(cubin: bytes) -> Optional[int]:
+    """Registers of the (single) kernel in ``cubin``, by ``cuobjdump --dump-resource-usage``;
+    ``None`` when cuobjdump is absent or prints no ``REG:`` field."""
+    tool = _tool("cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        done = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, timeout=120)
+    found = re.findall(r"\bREG:(\d+)", done.stdout)
+    return int(found[0]) if len(found) == 1 else None
+
+
+def _judge(record: dict[str, Any]) -> dict[str, Any]:
+    """Fill ``failures``: the reasons this record fails the report (empty: it passes)."""
+    reasons = []
+    if not record["compiled"]:
+        reasons.append(f"not compiled: {record['error']}")
+    else:
+        if record["error"]:
+            reasons.append(record["error"])
+        if record["spill_bytes"]:
+            reasons.append(f"spills {record['spill_store_bytes']} B stored / {record['spill_load_bytes']} B loaded")
+        limit = MAX_SHARED_BYTES.get(ARCHS.get(record["arch"], 0))
+        if limit is not None and record["shared_bytes"] > limit:
+            reasons.append(f"needs {record['shared_bytes']} B shared memory, {record['arch']} allows {limit} B per block")
+        if (record["uses_dot"] or record["ttir_has_dot"]) and not record["tensor_cores"]:
+            found = ", ".join(record["mma"]) or "no MMA instruction"
+            reasons.append(f"has tl.dot but no {TENSOR_CORE_PTX[ARCHS[record['arch']]]} in the PTX ({found})")
+        if record["ttir_has_dot"] and not record["uses_dot"]:
+            reasons.append("provider says uses_dot=False but the TTIR has tt.dot")
+    record["failures"] = reasons
+    return record
+
+
+def compile_all(configs: list[dict[str, Any]], archs: list[str], progress: bool = True) -> list[dict[str, Any]]:
+    """One record per (config, arch), in provider order, then arch order."""
+    jobs = [(cfg, arch) for cfg in configs for arch in archs]
+    bar = None
+    if progress and jobs:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=len(jobs), desc="aot compile", unit="kernel", file=sys.stderr, leave=False)
+        except ImportError:
+            bar = None
+    records = []
+    for cfg, arch in jobs:
+        if bar is not None:
+            bar.set_postfix_str(f"{cfg.get('kernel')} {arch}", refresh=False)
+        records.append(compile_config(cfg, arch))
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
+    return records
+
+
+# ----------------------------------------------------------------------------- roofline
+
+
+def roofline(flops: float, bytes: float, peak_flops: float = H100_BF16_FLOPS,
+             bandwidth: float = H100_BANDWIDTH) -> dict[str, Any]:
+    """Roofline lower bound on a kernel's time: ``max(flops / peak_flops, bytes / bandwidth)``.
+
+    Defaults: H100 SXM, 989e12 FLOP/s dense bf16 tensor-core peak, 3.35e12 B/s HBM3. Returns the
+    two terms, the bound (``seconds``), which one binds (``"compute"`` / ``"memory"``), the
+    arithmetic intensity ``flops / bytes`` and the ridge point ``peak_flops / bandwidth``."""
+    compute = flops / peak_flops
+    memory = bytes / bandwidth
+    return {"flops": flops, "bytes": bytes, "compute_seconds": compute, "memory_seconds": memory,
+            "seconds": max(compute, memory), "bound": "compute" if compute >= memory else "memory",
+            "intensity": flops / bytes if bytes else math.inf, "ridge": peak_flops / bandwidth}
+
+
+def attention_cost(tokens: int, heads: int, dqk: int, dv: int, causal: bool = True,
+                   dtype_bytes: int = 2, extra_bytes: float = 0.0) -> dict[str, dict[str, float]]:
+    """Analytic FLOPs and HBM bytes of one attention layer over one row of ``tokens`` tokens.
+
+    FLOPs count the two matmuls only (the SiLU / softmax, bias and mask pointwise work runs off
+    the tensor cores and is left out). With ``P = N²/2`` (causal: the lower triangle, diagonal
+    ignored) or ``P = N²`` query-key pairs:
+
+        fwd = 2·P·H·dqk  (q kᵀ)  +  2·P·H·dv  (a v)       — for dqk = dv = d, causal: 2·N²·d·H
+        bwd = 2.5 · fwd   (recompute q kᵀ, then dv, da→ds, dq, dk: 5 matmuls against the forward's 2)
+
+    Bytes are the compulsory traffic of a fused (flash-style) kernel, each tensor read or written
+    once in ``dtype_bytes`` per element, nothing of size N² stored:
+
+        fwd = N·H·(2·dqk + 2·dv)·b     read q, k, v; write o
+        bwd = N·H·(4·dqk + 3·dv)·b     read q, k, v, do; write dq, dk, dv
+
+    plus ``extra_bytes`` per pass (timestamps, bias tables, offsets: the kernel author knows them).
+    """
+    pairs = tokens * tokens / 2 if causal else tokens * tokens
+    fwd_flops = 2 * pairs * heads * dqk + 2 * pairs * heads * dv
+    fwd_bytes = tokens * heads * (2 * dqk + 2 * dv) * dtype_bytes + extra_bytes
+    bwd_bytes = tokens * heads * (4 * dqk + 3 * dv) * dtype_bytes + extra_bytes
+    return {"fwd": {"flops": fwd_flops, "bytes": fwd_bytes},
+            "bwd": {"flops": 2.5 * fwd_flops, "bytes": bwd_bytes}}
+
+
+def _padded(d: int) -> int:
+    """Head width a Triton kernel computes with: a power of two, at least 16 (``tl.dot``'s K)."""
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def attention_roofline(tokens: int = 8192, presets: Iterable[str] = ("ml1m-large", "large"),
+                       peak_flops: float = H100_BF16_FLOPS, bandwidth: float = H100_BANDWIDTH) -> dict[str, Any]:
+    """Roofline of HSTU causal attention per row of ``tokens`` tokens, for each named preset of
+    ``models.presets.PRESETS["hstu"]`` (the sizes are read there, not restated). "HSTU-large" has
+    two readings in this project, so both are reported by default: ``ml1m-large`` (the HSTU paper's
+    HSTU-large: 8 blocks, 2 heads, dqk = dv = 25) and ``large`` (TurboGR's large: 16 blocks,
+    8 heads, dqk = dv = 128); only the head count and widths enter the formulas, at ``tokens``
+    tokens whatever the preset's max_len. Rows: per layer (``useful`` FLOPs at the model's head
+    widths, and ``executed`` at the widths padded to a power of two ≥ 16 when they differ, bytes
+    unpadded) and
+    the whole model's attention (``num_blocks`` layers, forward + backward, useful FLOPs)."""
+    from models.presets import PRESETS
+
+    presets = list(presets)
+    _READINGS = {"ml1m-large": "the HSTU paper's HSTU-large", "large": "TurboGR's large"}
+    described = []
+    rows = []
+    for preset in presets:
+        cfg = PRESETS["hstu"][preset]
+        described.append(f"{preset} = {_READINGS.get(preset, 'preset')}: {cfg['num_blocks']} blocks, "
+                         f"{cfg['num_heads']} heads, dqk={cfg['attention_dim']}, dv={cfg['linear_dim']}")
+        heads, dqk, dv, blocks = cfg["num_heads"], cfg["attention_dim"], cfg["linear_dim"], cfg["num_blocks"]
+        widths = [("useful", dqk, dv)]
+        if (_padded(dqk), _padded(dv)) != (dqk, dv):
+            widths.append(("executed", _padded(dqk), _padded(dv)))
+        cost = attention_cost(tokens, heads, dqk, dv)
+        for label, wq, wv in widths:
+            flops = attention_cost(tokens, heads, wq, wv)  # bytes stay unpadded: memory holds dqk, dv
+            for direction in ("fwd", "bwd"):
+                rows.append({"preset": preset, "heads": heads, "dqk": wq, "dv": wv, "blocks": blocks,
+                             "tokens": tokens, "scope": f"layer {direction} ({label})",
+                             **roofline(flops[direction]["flops"], cost[direction]["bytes"], peak_flops, bandwidth)})
+        flops = blocks * (cost["fwd"]["flops"] + cost["bwd"]["flops"])
+        nbytes = blocks * (cost["fwd"]["bytes"] + cost["bwd"]["bytes"])
+        rows.append({"preset": preset, "heads": heads, "dqk": dqk, "dv": dv, "blocks": blocks, "tokens": tokens,
+                     "scope": f"model fwd+bwd ({blocks} layers)", **roofline(flops, nbytes, peak_flops, bandwidth)})
+    return {"assumptions": {
+        "tokens_per_row": tokens, "presets": described, "dtype": "bf16 (2 bytes)", "causal": True,
+        "peak_flops": peak_flops, "bandwidth": bandwidth, "device": "H100 SXM (dense bf16, HBM3)",
+        "fwd_flops": "2·P·H·dqk + 2·P·H·dv, P = N²/2 (= 2·N²·d·H for dqk = dv = d)",
+        "bwd_flops": "2.5 × fwd",
+        "fwd_bytes": "N·H·(2·dqk + 2·dv)·2 (read q, k, v; write o)",
+        "bwd_bytes": "N·H·(4·dqk + 3·dv)·2 (read q, k, v, do; write dq, dk, dv)",
+        "not_counted": "pointwise SiLU/bias/mask FLOPs; timestamps, bias tables, offsets bytes"},
+        "rows": rows}
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _short_config(record: dict[str, Any], width: int = 60) -> str:
+    config = record["config"]
+    if config is None:
+        return "-"
+    if isinstance(config, dict):
+        text = " ".join(f"{k}={v}" for k, v in config.items()).replace(", ", ",")
+    else:
+        text = str(config)
+    text = text or "-"
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def format_table(records: list[dict[str, Any]]) -> str:
+    """A fixed-width table: one line per record, failures spelled out underneath."""
+    header = ("kernel", "config", "arch", "ok", "regs", "spill", "stack", "smem", "warps", "stages",
+              "mma", "dot", "secs")
+    rows = []
+    for r in records:
+        def num(v: Any) -> str:
+            return "-" if v is None else str(v)
+        rows.append((str(r["kernel"]), _short_config(r), str(r["arch"]),
+                     "FAIL" if r["failures"] else "ok", num(r["registers"]), num(r["spill_bytes"]),
+                     num(r["stack_bytes"]), num(r["shared_bytes"]), num(r["num_warps"]), num(r["num_stages"]),
+                     ("+".join(r["mma"]) or "-") if r["compiled"] else "-",
+                     "-" if r["uses_dot"] is None else ("yes" if r["uses_dot"] else "no"),
+                     "-" if r["compile_seconds"] is None
+                     else f"{r['compile_seconds']:.2f}" + ("*" if r["cache_hit"] else "")))
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    for r, row in zip(records, rows):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        lines.extend(f"    ! {reason}" for reason in r["failures"])
+    if any(r["cache_hit"] for r in records):
+        lines.append("(* from Triton's cache: the time is a lookup, not a compile)")
+    return "\n".join(lines)
+
+
+def format_roofline(report: dict[str, Any]) -> str:
+    a = report["assumptions"]
+    lines = [f"Roofline, HSTU causal attention, {a['tokens_per_row']} tokens per row, {a['dtype']}, "
+             f"{a['device']}: {a['peak_flops'] / 1e12:g} TFLOP/s, {a['bandwidth'] / 1e12:g} TB/s",
+             f"  FLOPs fwd = {a['fwd_flops']}; bwd = {a['bwd_flops']}",
+             f"  bytes fwd = {a['fwd_bytes']}; bwd = {a['bwd_bytes']}",
+             f"  not counted: {a['not_counted']}",
+             "  'HSTU-large' read both ways (models/presets.py, hstu; only heads and widths matter):",
+             *(f"    {p}" for p in a["presets"])]
+    header = ("preset", "H", "dqk", "dv", "scope", "GFLOP", "MB", "FLOP/B", "roofline us", "bound")
+    rows = [(r["preset"], str(r["heads"]), str(r["dqk"]), str(r["dv"]), r["scope"], f"{r['flops'] / 1e9:.1f}",
+             f"{r['bytes'] / 1e6:.2f}", f"{r['intensity']:.0f}", f"{r['seconds'] * 1e6:.1f}", r["bound"])
+            for r in report["rows"]]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+    lines.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    return "\n".join(lines)
+
+
+def build_report(providers: list[str], archs: list[str], with_roofline: bool = True,
+                 kernels: Optional[str] = None, max_per_kernel: Optional[int] = None,
+                 progress: bool = True) -> dict[str, Any]:
+    """Load ``providers``, compile their configs for ``archs`` (only kernels whose name matches the
+    regular expression ``kernels``, and only the first ``max_per_kernel`` configs of each kernel
+    name, when given), and assemble the JSON report."""
+    import triton
+
+    for arch in archs:
+        _cc(arch)
+    configs, status = load_providers(providers)
+    if kernels:
+        configs = [c for c in configs if re.search(kernels, str(c.get("kernel")))]
+    if max_per_kernel is not None:
+        seen: dict[str, int] = {}
+        kept = []
+        for c in configs:
+            key = f"{c.get('provider')}:{c.get('kernel')}"
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] <= max_per_kernel:
+                kept.append(c)
+        configs = kept
+    start = time.perf_counter()
+    records = [provider_record(s, arch) for s in status if s["status"] != "ok" for arch in archs]
+    records += compile_all(configs, archs, progress=progress)
+    report = {"triton_version": triton.__version__, "archs": archs, "providers": status, "records": records,
+              "failed": sum(bool(r["failures"]) for r in records),
+              "seconds": round(time.perf_counter() - start, 2)}
+    if with_roofline:
+        report["roofline"] = attention_roofline()
+    return report
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m grcompile.lowering.aot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", default="sm_80,sm_90", help="comma-separated targets (sm_80, sm_90)")
+    parser.add_argument("--json", metavar="PATH", help="write the full report here")
+    parser.add_argument("--providers", help="comma-separated 'module:function' providers "
+                                            f"(default: {','.join(PROVIDERS)})")
+    parser.add_argument("--kernels", metavar="REGEX", help="only kernels whose name matches")
+    parser.add_argument("--max-per-kernel", type=int, metavar="N",
+                        help="only the first N configs of each kernel (a quick subset)")
+    parser.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=True,
+                        help="add the analytic attention roofline (default on)")
+    parser.add_argument("--no-fail", action="store_true", help="exit 0 even when records fail")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+
+    if _interpreting():
+        print("error: TRITON_INTERPRET is set: @triton.jit builds interpreter functions, which cannot be "
+              "compiled; unset it (python -m grcompile.lowering.aot does so itself)", file=sys.stderr)
+        return 2
+    providers = [p for p in (args.providers.split(",") if args.providers else PROVIDERS) if p]
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    report = build_report(providers, archs, with_roofline=args.roofline, kernels=args.kernels,
+                          max_per_kernel=args.max_per_kernel, progress=not args.no_progress)
+    for s in report["providers"]:
+        line = f"provider {s['provider']}: {s['status']}"
+        print(line + (f", {s['configs']} configs" if s["status"] == "ok" else f" — {s['error']}"))
+    print(format_table(report["records"]))
+    compiled = [r for r in report["records"] if r["compile_seconds"] is not None]
+    print(f"{len(report['records'])} records, {report['failed']} failing; "
+          f"{sum(r['compile_seconds'] for r in compiled):.1f} s compiling "
+          f"({sum(bool(r['cache_hit']) for r in compiled)} from Triton's cache), "
+          f"{sum(r['ptxas_seconds'] or 0 for r in compiled):.1f} s in ptxas -v, {report['seconds']:.1f} s in all")
+    if args.roofline:
+        print()
+        print(format_roofline(report["roofline"]))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+        print(f"report: {args.json}")
+    return 1 if report["failed"] and not args.no_fail else 0
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+
+
+if __name__ == "__main__":
+    if _interpreting():
+        # Triton read the variable when torch imported it (before this module ran): start afresh.
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        print("note: running without TRITON_INTERPRET (interpreted kernels cannot be compiled)", file=sys.stderr)
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "grcompile.lowering.aot", *sys.argv[1:]], env)
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""The ahead-of-time compile report (``python -m grcompile.lowering.aot``): records of small kernels
+defined here, the checks that fail a record, the roofline model, and the real providers.
+
+Compiling runs in a subprocess of the command itself: a test process may have ``TRITON_INTERPRET``
+set, under which ``@triton.jit`` builds interpreter functions (the command restarts without it)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import triton
+import triton.language as tl
+
+from grcompile.lowering import aot
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = "tests.lowering.test_aot"
+
+
+@triton.jit
+def _tile_matmul(a, b, c, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """c[BM, BN] = a[BM, K] @ b[K, BN], bf16 in, fp32 accumulate and out."""
+    rm = tl.arange(0, BM)
+    rn = tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k in range(0, K, BK):
+        x = tl.load(a + rm[:, None] * K + (k + rk)[None, :])
+        y = tl.load(b + (k + rk)[:, None] * BN + rn[None, :])
+        acc += tl.dot(x, y)
+    tl.store(c + rm[:, None] * BN + rn[None, :], acc)
+
+
+@triton.jit
+def _silu(x, y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n
+    v = tl.load(x + offs, mask=keep).to(tl.float32)
+    tl.store(y + offs, (v * tl.sigmoid(v)).to(tl.bfloat16), mask=keep)
+
+
+@triton.jit
+def _row_normalize(x, y, BLOCK: tl.constexpr):
+    """A whole row in one warp's registers: at BLOCK=16384 that is 512 floats a thread, spilled."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x + r)
+    tl.store(y + r, v * tl.rsqrt(tl.sum(v * v, axis=0)))
+
+
+_MATMUL_SIG = {"a": "*bf16", "b": "*bf16", "c": "*fp32", "K": "constexpr", "BM": "constexpr",
+               "BN": "constexpr", "BK": "constexpr"}
+
+
+def _matmul(kernel: str, tile: int, num_warps: int, uses_dot: bool) -> dict:
+    constexprs = dict(K=128, BM=tile, BN=tile, BK=32)
+    return dict(kernel=kernel, fn=_tile_matmul, signature=_MATMUL_SIG, constexprs=constexprs,
+                num_warps=num_warps, num_stages=2, config=dict(constexprs, num_warps=num_warps), uses_dot=uses_dot)
+
+
+def aot_test_configs() -> list[dict]:
+    """Kernels that must pass: a bf16 tl.dot tile and a pointwise kernel."""
+    return [_matmul("tile_matmul", 64, 4, True),
+            dict(kernel="silu", fn=_silu, signature={"x": "*bf16", "y": "*bf16", "n": "i32", "BLOCK": "constexpr"},
+                 constexprs=dict(BLOCK=1024), num_warps=4, num_stages=1, config=dict(BLOCK=1024), uses_dot=False)]
+
+
+def aot_failing_configs() -> list[dict]:
+    """Kernels the report must fail: a spilling one; a one-warp tl.dot (no wgmma on sm_90: a
+    warpgroup is 4 warps); the same one declared without a dot."""
+    return [dict(kernel="row_normalize", fn=_row_normalize, signature={"x": "*fp32", "y": "*fp32", "BLOCK": "constexpr"},
+                 constexprs=dict(BLOCK=16384), num_warps=1, num_stages=1, config=dict(BLOCK=16384), uses_dot=False),
+            _matmul("one_warp_matmul", 16, 1, True),
+            _matmul("undeclared_dot", 16, 1, False)]
+
+
+def _run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "grcompile.lowering.aot", "--no-progress", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def test_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("aot") / "report.json"
+    done = _run_cli("--arch", "sm_80,sm_90", "--json", str(out), "--providers",
+                    f"{HERE}:aot_test_configs,{HERE}:aot_failing_configs,tests.lowering.no_such_provider:configs")
+    assert out.exists(), done.stdout + done.stderr
+    return done, json.loads(out.read_text())
+
+
+def _records(report: dict, kernel: str) -> dict[str, dict]:
+    found = {r["arch"]: r for r in report["records"] if r["kernel"] == kernel}
+    assert set(found) == {"sm_80", "sm_90"}, found
+    return found
+
+
+def test_record_fields(test_report):
+    _, report = test_report
+    keys = {"kernel", "arch", "config", "compiled", "error", "registers", "spill_bytes", "stack_bytes",
+            "shared_bytes", "num_warps", "num_stages", "tensor_cores", "uses_dot", "compile_seconds"}
+    assert len(report["records"]) == 2 * (2 + 3 + 1)
+    for r in report["records"]:
+        assert keys <= set(r), keys - set(r)
+        if r["compiled"]:
+            assert r["error"] is None, r
+            assert 0 < r["registers"] <= 255 and r["compile_seconds"] >= 0
+            assert r["notes"] == [], r["notes"]  # ptxas -v re-run agrees with the cubin's registers
+    assert report["triton_version"] == triton.__version__
+    assert report["roofline"]["rows"]
+
+
+def test_dot_kernel_uses_each_archs_tensor_cores(test_report):
+    r = _records(test_report[1], "tile_matmul")
+    for arch, instruction in (("sm_80", "mma.sync"), ("sm_90", "wgmma")):
+        rec = r[arch]
+        assert rec["compiled"] and rec["tensor_cores"] and rec["ttir_has_dot"], rec
+        assert instruction in rec["mma"]
+        assert rec["spill_bytes"] == 0 and rec["failures"] == []
+        assert rec["shared_bytes"] > 0  # the staged a/b tiles
+        assert (rec["num_warps"], rec["num_stages"]) == (4, 2)
+        assert rec["config"] == {"K": 128, "BM": 64, "BN": 64, "BK": 32, "num_warps": 4}
+
+
+def test_pointwise_kernel_compiles_without_dot(test_report):
+    for rec in _records(test_report[1], "silu").values():
+        assert rec["compiled"] and rec["failures"] == [], rec
+        assert rec["uses_dot"] is False and rec["ttir_has_dot"] is False
+        assert rec["mma"] == [] and rec["tensor_cores"] is False
+        assert rec["spill_bytes"] == 0 and rec["stack_bytes"] == 0
+
+
+def test_failures_are_reported(test_report):
+    done, report = test_report
+    assert done.returncode == 1, done.stdout + done.stderr
+    for rec in _records(report, "row_normalize").values():
+        assert rec["compiled"] and rec["spill_bytes"] > 0
+        assert any(f.startswith("spills") for f in rec["failures"]), rec["failures"]
+    one_warp = _records(report, "one_warp_matmul")
+    assert one_warp["sm_80"]["failures"] == [] and one_warp["sm_80"]["tensor_cores"]
+    assert one_warp["sm_90"]["mma"] == ["mma.sync"] and not one_warp["sm_90"]["tensor_cores"]
+    assert any("no wgmma" in f for f in one_warp["sm_90"]["failures"])
+    for rec in _records(report, "undeclared_dot").values():
+        assert any("uses_dot=False but the TTIR has tt.dot" in f for f in rec["failures"])
+    missing = _records(report, "tests.lowering.no_such_provider:configs")
+    assert all("does not exist" in r["error"] and r["failures"] for r in missing.values())
+    status = {s["provider"]: s["status"] for s in report["providers"]}
+    assert status == {f"{HERE}:aot_test_configs": "ok", f"{HERE}:aot_failing_configs": "ok",
+                      "tests.lowering.no_such_provider:configs": "missing"}
+    assert report["failed"] == 2 + 1 + 2 + 2  # spills, one-warp dot on sm_90, undeclared dot, missing
+
+
+def test_stdout_table(test_report):
+    done, _ = test_report
+    assert "provider tests.lowering.no_such_provider:configs: missing" in done.stdout
+    lines = done.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("kernel "))
+    names = header.split()
+    assert names[:8] == ["kernel", "config", "arch", "ok", "regs", "spill", "stack", "smem"]
+    starts = [header.index(f"{n} ") if n != names[-1] else header.rindex(n) for n in names]
+
+    def cells(line: str) -> dict[str, str]:
+        return {n: line[a:b].strip() for n, a, b in zip(names, starts, starts[1:] + [None])}
+
+    rows = {(c["kernel"], c["arch"]): c for c in map(cells, lines[lines.index(header) + 2:])
+            if c["kernel"] in ("tile_matmul", "silu")}
+    assert set(rows) == {(k, a) for k in ("tile_matmul", "silu") for a in ("sm_80", "sm_90")}
+    assert rows[("tile_matmul", "sm_90")]["ok"] == "ok" and rows[("tile_matmul", "sm_90")]["mma"] == "wgmma"
+    assert rows[("tile_matmul", "sm_80")]["config"] == "K=128 BM=64 BN=64 BK=32 num_warps=4"
+    assert rows[("silu", "sm_80")]["mma"] == "-" and rows[("silu", "sm_80")]["dot"] == "no"
+    assert "Roofline, HSTU causal attention, 8192 tokens per row" in done.stdout
+
+
+def test_no_fail_and_kernel_filter(tmp_path):
+    out = tmp_path / "r.json"
+    done = _run_cli("--arch", "sm_80", "--providers", f"{HERE}:aot_failing_configs", "--kernels", "^one_warp",
+                    "--no-roofline", "--no-fail", "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert [(r["kernel"], r["arch"]) for r in report["records"]] == [("one_warp_matmul", "sm_80")]
+    assert "roofline" not in report and "Roofline" not in done.stdout
+
+
+# ------------------------------------------------------------------ in-process, no compiling
+
+
+def test_parse_ptxas_log():
+    log = textwrap.dedent("""\
+        ptxas-blackwell info    : 0 bytes gmem
+        ptxas-blackwell info    : Compiling entry function 'k' for 'sm_90a'
+        ptxas-blackwell info    : Function properties for k
+            344 bytes stack frame, 344 bytes spill stores, 328 bytes spill loads
+        ptxas-blackwell info    : Used 254 registers, used 1 barriers
+        """)
+    assert aot.parse_ptxas_log(log) == {"registers": 254, "stack_bytes": 344, "spill_store_bytes": 344,
+                                        "spill_load_bytes": 328, "spill_bytes": 672}
+    with pytest.raises(ValueError, match="no register"):
+        aot.parse_ptxas_log("ptxas fatal   : Unsupported .version 8.7")
+
+
+def test_bad_configs_give_records_not_exceptions():
+    rec = aot.compile_config({"kernel": "k", "fn": None}, "sm_80")
+    assert not rec["compiled"] and "lacks" in rec["error"] and rec["failures"]
+    cfg = dict(aot_test_configs()[1], fn=lambda x: x)
+    rec = aot.compile_config(cfg, "sm_90")
+    assert not rec["compiled"] and "not a @triton.jit function" in rec["error"]
+    rec = aot.compile_config(aot_test_configs()[1], "sm_75")
+    assert not rec["compiled"] and "unknown arch" in rec["error"]
+
+
+def test_load_providers_tells_missing_from_broken(tmp_path, monkeypatch):
+    (tmp_path / "aot_broken_provider.py").write_text("import aot_dependency_that_is_absent\n")
+    (tmp_path / "aot_tuple_provider.py").write_text("def configs():\n    return ()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    configs, status = aot.load_providers(["aot_missing_provider:configs", "aot_broken_provider:configs",
+                                          "aot_tuple_provider:configs", "aot_tuple_provider:nothing",
+                                          "no_colon"])
+    assert configs == []
+    assert [s["status"] for s in status] == ["missing", "error", "error", "error", "error"]
+    assert "aot_dependency_that_is_absent" in status[1]["error"]
+    assert "expected a list" in status[2]["error"] and "nothing" in status[3]["error"]
+
+
+def test_attention_cost_formulas():
+    n, h, d = 8192, 2, 25
+    cost = aot.attention_cost(n, h, d, d)
+    assert cost["fwd"]["flops"] == 2 * (2 * n * n * d * h) / 2
+    assert cost["bwd"]["flops"] == 2.5 * cost["fwd"]["flops"]
+    assert cost["fwd"]["bytes"] == 4 * n * h * d * 2 and cost["bwd"]["bytes"] == 7 * n * h * d * 2
+    full = aot.attention_cost(n, h, 16, 32, causal=False)
+    assert full["fwd"]["flops"] == 2 * n * n * h * (16 + 32)
+
+
+def test_roofline():
+    r = aot.roofline(989e12, 3.35e12)  # one second of each: a tie counts as compute-bound
+    assert r["seconds"] == 1.0 and r["bound"] == "compute"
+    r = aot.roofline(1e9, 1e9)
+    assert r["bound"] == "memory" and r["seconds"] == pytest.approx(1e9 / 3.35e12)
+    assert r["intensity"] == 1.0 and r["ridge"] == pytest.approx(989e12 / 3.35e12)
+    assert aot.roofline(2e12, 1e9, peak_flops=1e12)["seconds"] == 2.0
+
+
+def test_attention_roofline_reads_the_presets():
+    from models.presets import PRESETS
+
+    report = aot.attention_roofline()
+    assert report["assumptions"]["tokens_per_row"] == 8192
+    for row in report["rows"]:
+        preset = PRESETS["hstu"][row["preset"]]
+        assert row["heads"] == preset["num_heads"] and row["blocks"] == preset["num_blocks"]
+        assert row["bound"] in ("compute", "memory") and math.isfinite(row["seconds"])
+    scopes = {(r["preset"], r["scope"]) for r in report["rows"]}
+    assert ("ml1m-large", "layer fwd (executed)") in scopes  # dqk = 25 runs at width 32
+    assert ("large", "layer fwd (executed)") not in scopes  # 128 needs no padding
+    layer = next(r for r in report["rows"] if r["preset"] == "ml1m-large" and r["scope"] == "layer fwd (useful)")
+    assert layer["flops"] == 2 * 8192 ** 2 * 25 * 2
+
+
+# ------------------------------------------------------------------ the real kernels
+
+
+def _real_provider_report(spec: str, tmp_path: Path, *extra: str) -> dict:
+    module = spec.partition(":")[0]
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} does not exist yet (its kernels are being written)")
+    out = tmp_path / "real.json"
+    done = _run_cli("--arch", "sm_80,sm_90", "--providers", spec, "--no-roofline", "--json", str(out), *extra,
+                    timeout=600)
+    assert out.exists(), done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    status = report["providers"][0]
+    assert status["status"] == "ok" and status["configs"] > 0, status
+    by_config: dict[str, set] = {}
+    for r in report["records"]:
+        by_config.setdefault(json.dumps([r["kernel"], r["config"]], sort_keys=True, default=str), set()).add(r["arch"])
+        assert r["compiled"], (r["kernel"], r["arch"], r["error"])
+        assert r["spill_bytes"] == 0, (r["kernel"], r["config"], r["arch"], r["failures"])
+        if r["uses_dot"]:
+            assert r["tensor_cores"], (r["kernel"], r["config"], r["arch"], r["mma"])
+        assert r["failures"] == [], (r["kernel"], r["config"], r["arch"], r["failures"])
+    assert all(archs == {"sm_80", "sm_90"} for archs in by_config.values()), by_config
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return report
+
+
+@pytest.mark.parametrize("spec", aot.PROVIDERS)
+def test_real_kernels_compile_first_config_each(spec, tmp_path):
+    """The first config of every kernel, both archs: the default CI subset."""
+    _real_provider_report(spec, tmp_path, "--max-per-kernel", "1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", aot.PROVIDERS)
+def test_real_kernels_compile_every_config(spec, tmp_path):
+    _real_provider_report(spec, tmp_path)
