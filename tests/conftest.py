@@ -16,3 +16,8 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # the two compute the same values, and compiling each option set (forward, backward) in every test
 # process would add many minutes to the suite. Benchmarks, the demo and users get the compiled one.
 os.environ.setdefault("GRCOMPILE_COMPILE_CHUNKS", "0")
+
+# Triton kernels run on CPU tensors only in Triton's interpreter, which Triton reads when it is
+# imported (``import torch._dynamo`` imports it): set here, before anything imports torch. It only
+# matters where a test asks for the Triton backend (``use_backend("triton")``, tests/lowering).
+os.environ.setdefault("TRITON_INTERPRET", "1")

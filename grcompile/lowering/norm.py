@@ -12,8 +12,11 @@ from the saved inputs only:
     du = g ⊙ n,   g_n = g ⊙ u
     dx = r·(g_n − mean(g_n) − n·mean(g_n ⊙ n))   (layer; rms drops the mean(g_n) term)
 
-The Triton kernel (one pass per row, fused with the gate) comes with the CUDA milestone; the
-registry's ``triton`` slot is empty until then and CUDA falls back to this reference.
+Triton (:mod:`.norm_triton`, imported on first use): one pass per block of rows, fused with the
+gate, and a backward kernel writing ``dx`` and ``du`` together. The backward runs as its own op
+``grcompile::gated_norm_backward`` (``[dx]`` or ``[dx, du]``) only where the chosen backend for
+``x``'s device is Triton; elsewhere the autograd formula stays the plain-torch one above, so the
+graphs AOTAutograd traces on CPU are unchanged.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import lookup, register_op
+from . import OPS, lookup, register_op
 
 KINDS = ("layer", "rms")
 _OP = "grcompile::gated_norm"
@@ -80,7 +83,14 @@ def gated_norm_backward(grad: torch.Tensor, x: torch.Tensor, u: Optional[torch.T
     return dx, du
 
 
-register_op("gated_norm", reference=_gated_norm_reference)
+def _gated_norm_backward_reference(grad: torch.Tensor, x: torch.Tensor, u: Optional[torch.Tensor], *, kind: str,
+                                   eps: float) -> list[torch.Tensor]:
+    return [g for g in gated_norm_backward(grad, x, u, kind, eps) if g is not None]
+
+
+register_op("gated_norm", reference=_gated_norm_reference, triton="grcompile.lowering.norm_triton:gated_norm_triton")
+register_op("gated_norm_backward", reference=_gated_norm_backward_reference,
+            triton="grcompile.lowering.norm_triton:gated_norm_backward_triton")
 
 
 @torch.library.custom_op("grcompile::gated_norm", mutates_args=())
@@ -95,6 +105,28 @@ def gated_norm(x: torch.Tensor, u: Optional[torch.Tensor], *, kind: str, eps: fl
 def _(x, u, *, kind, eps):
     _check(x, u, kind, eps)
     return x.new_empty(x.shape)  # contiguous, like the real output
+
+
+def _check_backward(grad: torch.Tensor, x: torch.Tensor, u: Optional[torch.Tensor], kind: str, eps: float) -> None:
+    _check(x, u, kind, eps)
+    if grad.shape != x.shape or grad.dtype != x.dtype:
+        raise ValueError(f"{_OP}_backward: grad must have the shape and dtype of x {tuple(x.shape)} {x.dtype}, "
+                         f"got {tuple(grad.shape)} {grad.dtype}")
+
+
+@torch.library.custom_op("grcompile::gated_norm_backward", mutates_args=())
+def gated_norm_backward_op(grad: torch.Tensor, x: torch.Tensor, u: Optional[torch.Tensor], *, kind: str,
+                           eps: float) -> list[torch.Tensor]:
+    """``[dx]`` (``u`` None) or ``[dx, du]`` of ``gated_norm``, contiguous (a list: a schema cannot
+    return an optional tensor)."""
+    _check_backward(grad, x, u, kind, eps)
+    return [g.contiguous() for g in lookup("gated_norm_backward", x.device.type)(grad, x, u, kind=kind, eps=eps)]
+
+
+@gated_norm_backward_op.register_fake
+def _(grad, x, u, *, kind, eps):
+    _check_backward(grad, x, u, kind, eps)
+    return [x.new_empty(x.shape)] + ([] if u is None else [u.new_empty(u.shape)])
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
@@ -112,10 +144,15 @@ def _backward(ctx, grad):
         x, u = ctx.saved_tensors
     else:
         (x,), u = ctx.saved_tensors, None
+    # Decided when traced: a compiled graph keeps the choice it was traced with (also when the
+    # AOTAutograd cache hands it to a later process running another backend; values agree).
+    if OPS["gated_norm"].kernel_for(x.device.type)[0] == "triton":
+        dx, *du = torch.ops.grcompile.gated_norm_backward(grad, x, u, kind=ctx.kind, eps=ctx.eps)
+        return dx, (du[0] if du else None)
     dx, du = gated_norm_backward(grad, x, u, ctx.kind, ctx.eps)
     return dx, du
 
 
 gated_norm.register_autograd(_backward, setup_context=_setup_context)
 
-__all__ = ["gated_norm", "gated_norm_backward", "KINDS"]
+__all__ = ["gated_norm", "gated_norm_backward", "gated_norm_backward_op", "KINDS"]

@@ -73,6 +73,22 @@ def test_gated_norm_zero_size(shape) -> None:
     opcheck(torch.ops.grcompile.gated_norm.default, (x, u), dict(kind="layer", eps=1e-6))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("kind,dtype", [("layer", F64), ("rms", torch.float32), ("layer", torch.bfloat16)])
+def test_gated_norm_backward(layout: str, gated: bool, kind: str, dtype: torch.dtype) -> None:
+    f = LAYOUTS[layout]
+    grad, x = f(randn(3, 4, 5, dtype=dtype, seed=2)), f(randn(3, 4, 5, dtype=dtype))
+    u = f(randn(3, 4, 5, dtype=dtype, seed=1)) if gated else None
+    opcheck(torch.ops.grcompile.gated_norm_backward.default, (grad, x, u), dict(kind=kind, eps=1e-6))
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0, 5), (3, 0)])
+def test_gated_norm_backward_zero_size(shape) -> None:
+    args = randn(*shape, seed=2), randn(*shape), randn(*shape, seed=1)
+    opcheck(torch.ops.grcompile.gated_norm_backward.default, args, dict(kind="rms", eps=1e-6))
+
+
 def test_gated_norm_on_a_transposed_input_compiles() -> None:
     """The issue's reproduction: a non-affine norm over a Conv1d-style transposed tensor."""
     torch._dynamo.reset()
@@ -237,8 +253,9 @@ def test_sparse_lookup(sparse, layout: str) -> None:
 
 # --- coverage -----------------------------------------------------------------------------------
 
-COVERED = {"gated_norm", "pack_index", "score_mod_attention", "score_mod_attention_backward", "jagged_attention",
-           "jagged_attention_backward", "check_index", "check_unchanged", "sparse_lookup", "sparse_lookup_backward"}
+COVERED = {"gated_norm", "gated_norm_backward", "pack_index", "score_mod_attention", "score_mod_attention_backward",
+           "jagged_attention", "jagged_attention_backward", "check_index", "check_unchanged", "sparse_lookup",
+           "sparse_lookup_backward"}
 
 
 def test_every_custom_op_is_covered() -> None:
