@@ -40,8 +40,9 @@ Autograd is flash-like: the forward saves only its inputs; ``grcompile::jagged_a
 recomputes each chunk under ``enable_grad`` and uses ``torch.autograd.grad``, returning gradients
 for q, k, v and every floating side tensor and table (integer ones get ``None``).
 
-Kernels: ``triton`` / ``ascend`` slots of the registry are empty for now; CUDA/NPU fall back to
-this reference.
+Kernels: ``triton`` (:mod:`.attention_triton`: CUDA, or CPU tensors under ``TRITON_INTERPRET=1``
+with ``GRCOMPILE_BACKEND=triton``) generates the score_mod into the kernel; a call it cannot run
+(a score_mod op it does not know, float64) runs this reference, with a warning. ``ascend`` is empty.
 """
 from __future__ import annotations
 
@@ -492,8 +493,10 @@ def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side,
     return dq, dk, dv, d_qs, d_ks, d_tables
 
 
-register_op("jagged_attention", reference=_attention_reference)
-register_op("jagged_attention_backward", reference=_attention_backward_reference)
+register_op("jagged_attention", reference=_attention_reference,
+            triton="grcompile.lowering.attention_triton:attention_triton")
+register_op("jagged_attention_backward", reference=_attention_backward_reference,
+            triton="grcompile.lowering.attention_triton:attention_backward_triton")
 
 
 # --------------------------------------------------------------------------------------------

@@ -78,7 +78,12 @@ def _keep(seed, q_tok, k_tok, head, H, threshold):
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
+    # IEEE: 0 tensor-core native (bf16 / fp16), 1 fp32 without tf32, 2 both operands upcast to fp32
+    # (the interpreter's bf16 dot is wrong; bf16 products are exact in fp32, so only the order of
+    # the fp32 sum differs from a GPU)
+    if IEEE == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE == 1:
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
@@ -125,6 +130,8 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
         k_pos = tl.load(POS + k_tok, mask=k_ok, other=0)[None, :]
 {load_k_sides}
         PAIR = q_ok[:, None] & k_ok[None, :]
+        QOK = q_ok[:, None]
+        KOK = k_ok[None, :]
         if USE_QK:
             k = tl.load(K + k_tok[:, None] * stride_kt + head * stride_kh + dqk[None, :],
                         mask=k_ok[:, None] & (dqk[None, :] < DQK), other=0.0)
@@ -166,6 +173,8 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
 # the shared body of both backward kernels: recompute the pair tile, then g_s (raw-score grad)
 _BWD_PAIR = '''\
         PAIR = q_ok[:, None] & k_ok[None, :]
+        QOK = q_ok[:, None]
+        KOK = k_ok[None, :]
         if USE_QK:
             s = _dot(q, tl.trans(k), IEEE) * scale
         else:
@@ -356,7 +365,7 @@ def _render(code: Optional[ScoreModCode], n_q: int, n_k: int, table_ranks: list[
         load_k_sides=loads("KS", n_k, "k", "k_ok", "k_tok", 4),
         load_q_sides_inner=loads("QS", n_q, "q", "q_ok", "q_tok", 8),
         init_k_side_grads=_indent([f"gks_acc{i} = tl.zeros([1, BLOCK_N], tl.float32)" for i in fk], 4),
-        acc_k_side_grads=_indent([f"gks_acc{i} = gks_acc{i} + tl.sum(g_ks{i}, axis=0, keep_dims=True)"
+        acc_k_side_grads=_indent([f"gks_acc{i} = gks_acc{i} + g_ks{i}"
                                   for i in fk], 8),
         store_k_side_grads=_indent([f"tl.store(DKS{i} + k_tok[None, :] * H + head, gks_acc{i}, mask=k_ok[None, :])"
                                     for i in fk], 4))
@@ -364,7 +373,7 @@ def _render(code: Optional[ScoreModCode], n_q: int, n_k: int, table_ranks: list[
         extra_params=extra_params, grad_params=grad_params, pair=pair_q,
         load_q_sides=load_q, load_k_sides_inner=load_k,
         init_q_side_grads=_indent([f"gqs_acc{i} = tl.zeros([BLOCK_M, 1], tl.float32)" for i in fq], 4),
-        acc_q_side_grads=_indent([f"gqs_acc{i} = gqs_acc{i} + tl.sum(g_qs{i}, axis=1, keep_dims=True)"
+        acc_q_side_grads=_indent([f"gqs_acc{i} = gqs_acc{i} + g_qs{i}"
                                   for i in fq], 8),
         store_q_side_grads=_indent([f"tl.store(DQS{i} + q_tok[:, None] * H + head, gqs_acc{i}, mask=q_ok[:, None])"
                                     for i in fq], 4))
@@ -420,10 +429,15 @@ def _blocks(dqk: int, dv: int, device: torch.device) -> dict:
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=pad(dqk), BLOCK_DV=pad(dv))
 
 
+def _as_kernel_input(t: torch.Tensor) -> torch.Tensor:
+    """Bool tensors go in as uint8 (the generated code compares them with 0)."""
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
 def _table_args(tables: list[torch.Tensor]) -> list:
     args = []
     for t in tables:
-        args.append(t)
+        args.append(_as_kernel_input(t))
         args += list(t.shape) + list(t.stride())
     return args
 
@@ -447,7 +461,7 @@ def _common(q, k, v, offsets, positions, seed, *, activation, causal, use_qk, sc
     return dict(H=H, DQK=q.shape[2], DV=v.shape[2], scale=float(scale), out_scale=float(out_scale),
                 keep_scale=1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0, threshold=threshold,
                 ACT=_ACT[activation], CAUSAL=causal, USE_QK=use_qk, DROPOUT=dropout_p > 0,
-                IEEE=q.dtype == torch.float32, **_blocks(q.shape[2], v.shape[2], q.device)), seed_t
+                IEEE=2 if q.device.type == "cpu" else int(q.dtype == torch.float32), **_blocks(q.shape[2], v.shape[2], q.device)), seed_t
 
 
 def _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score_mod, use_qk, activation, scale,
@@ -468,7 +482,7 @@ def _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score
     if T and B:
         grid = (math.ceil(max_len / meta["BLOCK_M"]), B, H)
         module.fwd[grid](q, k, v, out, lse, offsets, positions, seed_t, oob,
-                         *[t.contiguous() for t in q_side], *[t.contiguous() for t in k_side], *_table_args(all_tables),
+                         *[_as_kernel_input(t.contiguous()) for t in q_side], *[_as_kernel_input(t.contiguous()) for t in k_side], *_table_args(all_tables),
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                          out.stride(0), out.stride(1), **meta)
         if int(oob.item()):
@@ -534,7 +548,7 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
                            scale=scale, out_scale=out_scale, dropout_p=dropout_p)
     B = offsets.shape[0] - 1
     if T and B:
-        side_args = [*[t.contiguous() for t in q_side], *[t.contiguous() for t in k_side], *_table_args(all_tables)]
+        side_args = [*[_as_kernel_input(t.contiguous()) for t in q_side], *[_as_kernel_input(t.contiguous()) for t in k_side], *_table_args(all_tables)]
         strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                    grad_out.stride(0), grad_out.stride(1))
         module.bwd_kv[(math.ceil(max_len / meta["BLOCK_N"]), B, H)](

@@ -175,6 +175,10 @@ class _Gen:
         meta = self.metas[node]
         dtype = meta.dtype if isinstance(meta, torch.Tensor) else None
         name = self.fresh()
+        constant = not any(self.values[a].dtype is not None for a in node.all_input_nodes if a in self.values)
+        if constant and dtype in _TL_DTYPE:  # all inputs are Python scalars: a 0-d tensor of torch's dtype
+            self.lines.append(f"{name} = tl.full([], {expr}, {_TL_DTYPE[dtype]})")
+            return Value(name, dtype, roles, node)
         cast = f".to({_TL_DTYPE[dtype]})" if dtype in _TL_DTYPE and dtype != torch.bool else ""
         self.lines.append(f"{name} = ({expr}){cast}")
         return Value(name, dtype, roles, node)
@@ -192,6 +196,8 @@ class _Gen:
         fixed += [(f"qs{i}", d, {"q"}) for i, d in enumerate(self.side_dtypes[0])]
         fixed += [(f"ks{i}", d, {"k"}) for i, d in enumerate(self.side_dtypes[1])]
         for node, (expr, dtype, roles) in zip(ph, fixed):
+            if dtype == torch.bool:  # bool tensors reach the kernel as uint8
+                expr = f"({expr} != 0)"
             self.values[node] = Value(expr, dtype, frozenset(roles), node)
         for i, node in enumerate(ph[len(fixed):]):
             self.tables[node] = i
@@ -278,10 +284,22 @@ class _Gen:
         off, inb = self.fresh("off"), self.fresh("inb")
         self.lines.append(f"{off} = {' + '.join(offset)}")
         self.lines.append(f"{inb} = {' & '.join(ok)}")
-        self.lines.append(f"oob = oob | tl.max(tl.max((PAIR & ({inb} == 0)).to(tl.int32), 1), 0)")
-        value = self.emit(f"tl.load(tab{slot} + {off}, mask=PAIR & {inb}, other=0)", node, roles)
+        self.lines.append(f"oob = oob | tl.max(tl.max(({role_mask(roles, f'{inb} == 0')}).to(tl.int32)"
+                          " + tl.zeros([1, 1], tl.int32), 1), 0)")
+        # "!= 0": the interpreter turns a 0-d bool ANDed with a bool tile into int64
+        self.lines.append(f"{inb} = ({role_mask(roles, inb)}) != 0")
+        load = f"tl.load(tab{slot} + {off}, mask={inb}, other=0)"
+        value = self.emit(f"{load} != 0" if self.metas[node].dtype == torch.bool else load, node, roles)
         value.lookup = (slot, off, inb)  # type: ignore[attr-defined]
         return value
+
+
+def role_mask(roles: frozenset, condition: str = "") -> str:
+    """The in-row mask of a value with these roles (its own shape: a per-key value is ``[1, BN]``),
+    ANDed with ``condition``."""
+    mask = {frozenset({"q", "k"}): "PAIR", frozenset({"q"}): "QOK", frozenset({"k"}): "KOK"}.get(roles)
+    parts = [p for p in (mask, f"({condition})" if condition else "") if p]
+    return " & ".join(parts) if parts else "(1 == 1)"
 
 
 def _binary(op: str) -> Callable:
@@ -353,7 +371,7 @@ def _full(gen: _Gen, node: fx.Node, roles):
     size = node.args[0]
     if tuple(size) != ():
         raise Unsupported(f"{_where(node)} builds a tensor of shape {list(size)} inside the score_mod")
-    return gen.emit(repr(node.args[1]), node, roles)
+    return gen.emit(gen.arg(node.args[1]).expr, node, roles)
 
 
 def _full_like(value: Optional[float]) -> Callable:
@@ -506,12 +524,14 @@ class _Backward:
             return
         target = self.gen.values[node].roles
         c = contribution
-        if roles_from - target or not roles_from:
-            c = f"tl.where(PAIR, {c}, 0.0)"  # garbage lanes (out of the row) must not enter a sum
-        if "k" in roles_from and "k" not in target:
-            c = f"tl.sum({c}, axis=1, keep_dims=True)"
-        if "q" in roles_from and "q" not in target:
-            c = f"tl.sum({c}, axis=0, keep_dims=True)"
+        if roles_from - target:  # an un-broadcast: garbage lanes (out of the row) must not enter the sum
+            c = f"tl.where({role_mask(roles_from)}, {c}, 0.0)"
+            if "k" in roles_from and "k" not in target:
+                c = f"tl.sum({c}, axis=1, keep_dims=True)"
+            if "q" in roles_from and "q" not in target:
+                c = f"tl.sum({c}, axis=0, keep_dims=True)"
+            if not target:
+                c = f"tl.sum(tl.sum({c}, axis=1), axis=0)" if roles_from else c
         name = self.gen.fresh("g")
         prev = self.adj.get(node)
         self.lines.append(f"{name} = {c}" if prev is None else f"{name} = {prev} + {c}")
@@ -519,10 +539,8 @@ class _Backward:
 
     def run(self) -> None:
         gen = self.gen
-        if self.out.node is None or self.out.node not in self.needs:
-            self.lines.append("g_s = tl.zeros_like(s)")
-            return
-        self.adj[self.out.node] = "g_mod"
+        if self.out.node is not None and self.out.node in self.needs:
+            self.adj[self.out.node] = "g_mod"
         for node in reversed(list(gen.values)):
             g = self.adj.get(node)
             if g is None or node.op == "placeholder":
@@ -535,10 +553,12 @@ class _Backward:
             e = value.expr
             if e == "s":
                 self.lines.append(f"g_s = {g}" if g else "g_s = tl.zeros_like(s)")
-            elif g and e.startswith("qs"):
-                self.lines.append(f"g_qs{e[2:]} = tl.where(PAIR, {g} + tl.zeros_like(s), 0.0)")
-            elif g and e.startswith("ks"):
-                self.lines.append(f"g_ks{e[2:]} = tl.where(PAIR, {g} + tl.zeros_like(s), 0.0)")
+            elif e.startswith("qs") and int(e[2:]) in self.grad_q:  # [BM, 1]: summed over this tile's keys
+                self.lines.append(f"g_qs{e[2:]} = tl.where(QOK, {g}, 0.0)" if g else
+                                  f"g_qs{e[2:]} = tl.zeros([BLOCK_M, 1], tl.float32)")
+            elif e.startswith("ks") and int(e[2:]) in self.grad_k:  # [1, BN]: summed over this tile's queries
+                self.lines.append(f"g_ks{e[2:]} = tl.where(KOK, {g}, 0.0)" if g else
+                                  f"g_ks{e[2:]} = tl.zeros([1, BLOCK_N], tl.float32)")
 
     def rule(self, node: fx.Node, g: str) -> None:
         gen, v = self.gen, self.gen.values[node]
@@ -549,10 +569,8 @@ class _Backward:
         lookup = getattr(v, "lookup", None)
         if lookup is not None:
             slot, off, inb = lookup
-            if slot in self.grad_tables:
-                gg = f"tl.where(PAIR & {inb}, {g} + tl.zeros_like(s), 0.0)"
-                self.lines.append(f"tl.atomic_add(dtab{slot} + {off} + tl.zeros_like(s).to(tl.int64), {gg}, "
-                                  f"mask=PAIR & {inb})")
+            if slot in self.grad_tables:  # g, off and inb all have the lookup's own shape
+                self.lines.append(f"tl.atomic_add(dtab{slot} + {off}, tl.where({inb}, {g}, 0.0), mask={inb})")
             return
 
         def x(i):

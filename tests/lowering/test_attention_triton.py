@@ -1,0 +1,196 @@
+"""The Triton jagged attention (forward and backward, score_mod generated into the kernel) equals
+the reference implementation, run by Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``).
+
+Each case draws a length mix with empty, length-1 and full rows, heads, head widths, an activation,
+causal or not, dropout or not, and a score_mod from those the models and the zoo use (HSTU's
+relative position + time buckets, position only, a per-head ``[H, N, N]`` table indexed by the head,
+an additive float key-side mask that receives a gradient, log-bucketed time with a per-head table)."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from grcompile.lowering import OPS, use_backend  # noqa: E402
+from grcompile.lowering import attention as ref  # noqa: E402
+from grcompile.lowering import score_mod as S  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton on CPU tensors needs TRITON_INTERPRET=1 before triton is imported")
+
+at = pytest.importorskip("grcompile.lowering.attention_triton")
+
+
+def additive_mask(score, q_pos, k_pos, k_side_0):
+    future = torch.where(k_pos - q_pos >= 1, torch.full((), -1e9), 0.0)
+    return score * 0.125 + future + k_side_0
+
+
+def per_head_table(score, q_pos, k_pos, head, table_0):
+    return score + table_0[(head, q_pos, k_pos)]
+
+
+def time_buckets_per_head(score, q_pos, k_pos, head, q_side_0, k_side_0, table_0):
+    delta = (k_side_0 - q_side_0).abs().float()
+    bucket = torch.clamp(torch.log1p(delta).div(0.7).long(), 0, 15)
+    return torch.nn.functional.silu(score + table_0[(bucket, head)]) / 12 * torch.where(k_pos <= q_pos, 1.0, 0.0)
+
+
+BIASES = ["none", "hstu", "position", "mask", "per_head", "time_per_head"]
+
+
+def _setup(bias: str, N: int, H: int, T: int, gen: torch.Generator, dtype=torch.float32):
+    """(score_mod key, q_side, k_side, tables)."""
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    def stamps():
+        return torch.randint(0, 10_000, (T,), generator=gen)
+    if bias == "none":
+        return "", [], [], []
+    if bias == "hstu":
+        return S.hstu_rab_key(N, 16), [stamps()], [stamps()], [rnd(2 * N - 1), rnd(17)]
+    if bias == "position":
+        return S.relative_position_bias_key(N), [], [], [rnd(2 * N - 1)]
+    if bias == "mask":
+        return S.register_score_mod(additive_mask), [], [rnd(T)], []
+    if bias == "per_head":
+        return S.register_score_mod(per_head_table), [], [], [rnd(H, N, N)]
+    if bias == "time_per_head":
+        return S.register_score_mod(time_buckets_per_head), [stamps()], [stamps()], [rnd(16, H)]
+    raise AssertionError(bias)
+
+
+def _case(lengths, H, dqk, dv, activation, causal, dropout, bias, seed, dtype=torch.float32, use_qk=True):
+    gen = torch.Generator().manual_seed(seed)
+    N = max(max(lengths), 1)
+    T = sum(lengths)
+    offsets = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int64)
+    positions = torch.cat([torch.arange(n) for n in lengths]).long() if T else torch.zeros(0, dtype=torch.long)
+    q, k = (torch.randn(T, H, dqk, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(T, H, dv, generator=gen).to(dtype)
+    key, q_side, k_side, tables = _setup(bias, N, H, T, gen)
+    seed_t = torch.tensor([seed * 7919 + 1], dtype=torch.int64) if dropout else None
+    kwargs = dict(score_mod=key, use_qk=use_qk, activation=activation, scale=0.5, out_scale=1.0 / N,
+                  causal=causal, max_len=N, dropout_p=dropout)
+    return (q, k, v, offsets, positions, q_side, k_side, tables, seed_t), kwargs
+
+
+def _assert_match(args, kwargs, rtol=1e-4, atol=1e-5, grad_atol=1e-4):
+    (q, k, v, offsets, positions, q_side, k_side, tables, seed) = args
+    got = at.attention_triton(*args, **kwargs)
+    want = ref._attention_reference(*args, **kwargs)
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    grad = torch.randn_like(want)
+    g = at.attention_backward_triton(grad, *args, **kwargs)
+    r = ref._attention_backward_reference(grad, *args, **kwargs)
+    for name, a, b in [("dq", g[0], r[0]), ("dk", g[1], r[1]), ("dv", g[2], r[2])]:
+        torch.testing.assert_close(a, b, rtol=rtol, atol=grad_atol, msg=lambda m: f"{name}: {m}")
+    for group, ga, ra in (("q_side", g[3], r[3]), ("k_side", g[4], r[4]), ("table", g[5], r[5])):
+        assert len(ga) == len(ra)
+        for i, (a, b) in enumerate(zip(ga, ra)):
+            torch.testing.assert_close(a, b, rtol=rtol, atol=grad_atol, msg=lambda m: f"{group}[{i}]: {m}")
+
+
+lengths_strategy = st.lists(st.integers(0, 37), min_size=1, max_size=4).map(
+    lambda ls: ls + [0, 1] if len(ls) < 3 else ls)
+
+
+@settings(max_examples=8, deadline=None)
+@given(lengths=lengths_strategy, H=st.integers(1, 3), dqk=st.sampled_from([3, 8, 16]),
+       dv=st.sampled_from([5, 16]), activation=st.sampled_from(["silu", "softmax", "identity"]),
+       causal=st.booleans(), dropout=st.sampled_from([0.0, 0.3]), bias=st.sampled_from(BIASES),
+       seed=st.integers(0, 2**16))
+def test_triton_attention_matches_reference(lengths, H, dqk, dv, activation, causal, dropout, bias, seed):
+    _assert_match(*_case(lengths, H, dqk, dv, activation, causal, dropout, bias, seed))
+
+
+@pytest.mark.slow
+@settings(max_examples=120, deadline=None)
+@given(lengths=lengths_strategy, H=st.integers(1, 3), dqk=st.sampled_from([3, 8, 16, 32]),
+       dv=st.sampled_from([5, 16, 32]), activation=st.sampled_from(["silu", "softmax", "identity"]),
+       causal=st.booleans(), dropout=st.sampled_from([0.0, 0.3]), bias=st.sampled_from(BIASES),
+       seed=st.integers(0, 2**16))
+def test_triton_attention_matches_reference_slow(lengths, H, dqk, dv, activation, causal, dropout, bias, seed):
+    _assert_match(*_case(lengths, H, dqk, dv, activation, causal, dropout, bias, seed))
+
+
+@pytest.mark.parametrize("bias", BIASES)
+def test_every_bias_with_full_empty_and_single_rows(bias):
+    args, kwargs = _case([33, 0, 1, 20], 2, 8, 8, "softmax" if bias == "mask" else "silu", True, 0.2, bias, 3)
+    _assert_match(args, kwargs)
+
+
+def test_bias_only_channel_without_qk():
+    """FuXi-α's positional channel: no q·k, identity activation, the table is the whole weight."""
+    args, kwargs = _case([17, 1, 0, 9], 2, 4, 8, "identity", True, 0.0, "position", 5, use_qk=False)
+    _assert_match(args, kwargs)
+
+
+def test_bf16_within_bf16_rounding():
+    args, kwargs = _case([40, 7, 1], 2, 16, 16, "softmax", True, 0.0, "hstu", 11, dtype=torch.bfloat16)
+    args32 = [a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a for a in args]
+    got = at.attention_triton(*args, **kwargs)
+    assert got.dtype == torch.bfloat16
+    want = ref._attention_reference(*args32, **kwargs)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_dropout_masks_are_bit_identical_to_the_reference():
+    """Dropout decisions, not just their statistics: with v = identity rows, every kept / dropped pair
+    shows in the output, so any hash difference would fail exactly."""
+    L, H = 24, 2
+    offsets = torch.tensor([0, L], dtype=torch.int64)
+    positions = torch.arange(L)
+    q = k = torch.zeros(L, H, 16)
+    v = torch.eye(L)[:, None, :].expand(L, H, L).contiguous()
+    seed = torch.tensor([987654321987], dtype=torch.int64)
+    kwargs = dict(score_mod="", use_qk=True, activation="identity", scale=1.0, out_scale=1.0, causal=False,
+                  max_len=L, dropout_p=0.5)
+    # q·k = 0, so a bias of 1 makes every pair's weight exactly keep / (1 - p)
+    key = S.register_score_mod(lambda q_pos, k_pos, q_side, k_side, tables: (k_pos - q_pos).float() * 0 + 1.0,
+                               name="one")
+    kwargs["score_mod"] = key
+    args = (q, k, v, offsets, positions, [], [], [], seed)
+    got = at.attention_triton(*args, **kwargs)
+    want = ref._attention_reference(*args, **kwargs)
+    assert torch.equal(got != 0, want != 0)
+    assert 0.3 < (got != 0).float().mean() < 0.7
+
+
+def test_table_index_out_of_range_raises_naming_the_score_mod():
+    key = S.register_score_mod(lambda q_pos, k_pos, q_side, k_side, tables: tables[0][k_pos + 5], name="too_far")
+    args, kwargs = _case([6, 2], 1, 4, 4, "silu", True, 0.0, "none", 1)
+    args = (*args[:7], [torch.randn(8)], args[8])
+    kwargs["score_mod"] = key
+    with pytest.raises(ValueError, match="too_far.*out of range"):
+        at.attention_triton(*args, **kwargs)
+
+
+def test_unknown_op_in_score_mod_falls_back_to_the_reference_with_a_reason():
+    def cumulative(score, q_pos, k_pos):
+        return score + torch.cumsum(q_pos.float(), dim=-2)
+    key = S.register_score_mod(cumulative)
+    args, kwargs = _case([9, 3], 2, 8, 8, "silu", True, 0.0, "none", 2)
+    kwargs["score_mod"] = key
+    with pytest.warns(UserWarning, match="reference implementation runs instead"):
+        got = at.attention_triton(*args, **kwargs)
+    torch.testing.assert_close(got, ref._attention_reference(*args, **kwargs))
+    assert "cumsum" in at.FALLBACKS[key]
+
+
+def test_the_custom_op_runs_the_triton_kernel_when_selected():
+    args, kwargs = _case([12, 5, 0], 2, 8, 8, "softmax", True, 0.0, "none", 4)
+    q, k, v = (t.clone().requires_grad_() for t in args[:3])
+    before = OPS["jagged_attention"].calls["triton"], OPS["jagged_attention_backward"].calls["triton"]
+    with use_backend("triton"):
+        out = torch.ops.grcompile.jagged_attention(q, k, v, *args[3:], **kwargs)
+        out.sum().backward()
+    assert OPS["jagged_attention"].calls["triton"] == before[0] + 1
+    assert OPS["jagged_attention_backward"].calls["triton"] == before[1] + 1
+    want = ref._attention_reference(*args, **kwargs)
+    torch.testing.assert_close(out.detach(), want)
