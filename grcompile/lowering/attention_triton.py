@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from .score_mod import get_score_mod
-from .score_mod_codegen import ScoreModCode, Unsupported, generate
+from .score_mod_codegen import HEAD_BOUND, POSITION_BOUND, ScoreModCode, Unsupported, generate
 
 _OP = "grcompile::jagged_attention"
 _ACT = {"identity": 0, "silu": 1, "softmax": 2}
@@ -100,9 +100,9 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
         IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     row = tl.program_id(1)
-    head = tl.program_id(2).to(tl.int64)
-    start = tl.load(OFFS + row)
-    L = tl.load(OFFS + row + 1) - start
+    head = tl.program_id(2)
+    start = tl.load(OFFS + row).to(tl.int32)  # token offsets in int32: the launcher checks numel < 2**31
+    L = tl.load(OFFS + row + 1).to(tl.int32) - start
     m0 = pid_m * BLOCK_M
     if m0 >= L:
         return
@@ -113,7 +113,7 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
     dv = tl.arange(0, BLOCK_DV)
     q = tl.load(Q + q_tok[:, None] * stride_qt + head * stride_qh + dqk[None, :],
                 mask=q_ok[:, None] & (dqk[None, :] < DQK), other=0.0)
-    q_pos = tl.load(POS + q_tok, mask=q_ok, other=0)[:, None]
+    q_pos = tl.load(POS + q_tok, mask=q_ok, other=0).to(tl.int32)[:, None]
 {load_q_sides}
     seed = tl.load(SEED) if DROPOUT else 0
     oob = tl.zeros([], tl.int32)
@@ -127,7 +127,7 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
         k_tok = start + offs_n
         v = tl.load(V + k_tok[:, None] * stride_vt + head * stride_vh + dv[None, :],
                     mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        k_pos = tl.load(POS + k_tok, mask=k_ok, other=0)[None, :]
+        k_pos = tl.load(POS + k_tok, mask=k_ok, other=0).to(tl.int32)[None, :]
 {load_k_sides}
         PAIR = q_ok[:, None] & k_ok[None, :]
         QOK = q_ok[:, None]
@@ -211,9 +211,9 @@ def bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, OFFS, POS, SEED, {extra_params} 
            IEEE: tl.constexpr):
     pid_n = tl.program_id(0)
     row = tl.program_id(1)
-    head = tl.program_id(2).to(tl.int64)
-    start = tl.load(OFFS + row)
-    L = tl.load(OFFS + row + 1) - start
+    head = tl.program_id(2)
+    start = tl.load(OFFS + row).to(tl.int32)  # token offsets in int32: the launcher checks numel < 2**31
+    L = tl.load(OFFS + row + 1).to(tl.int32) - start
     n0 = pid_n * BLOCK_N
     if n0 >= L:
         return
@@ -226,7 +226,7 @@ def bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, OFFS, POS, SEED, {extra_params} 
                 mask=k_ok[:, None] & (dqk[None, :] < DQK), other=0.0)
     v = tl.load(V + k_tok[:, None] * stride_vt + head * stride_vh + dv[None, :],
                 mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
-    k_pos = tl.load(POS + k_tok, mask=k_ok, other=0)[None, :]
+    k_pos = tl.load(POS + k_tok, mask=k_ok, other=0).to(tl.int32)[None, :]
 {load_k_sides}
     seed = tl.load(SEED) if DROPOUT else 0
     dk_acc = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
@@ -241,7 +241,7 @@ def bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, OFFS, POS, SEED, {extra_params} 
                     mask=q_ok[:, None] & (dqk[None, :] < DQK), other=0.0)
         do = tl.load(DO + q_tok[:, None] * stride_ot + head * stride_oh + dv[None, :],
                      mask=q_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        q_pos = tl.load(POS + q_tok, mask=q_ok, other=0)[:, None]
+        q_pos = tl.load(POS + q_tok, mask=q_ok, other=0).to(tl.int32)[:, None]
         if ACT == 2:
             lse = tl.load(LSE + q_tok * H + head, mask=q_ok, other=float("inf"))
             delta = tl.load(DELTA + q_tok * H + head, mask=q_ok, other=0.0)
@@ -270,9 +270,9 @@ def bwd_q(Q, K, V, DO, LSE, DELTA, DQ, OFFS, POS, SEED, {extra_params} {grad_par
           IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     row = tl.program_id(1)
-    head = tl.program_id(2).to(tl.int64)
-    start = tl.load(OFFS + row)
-    L = tl.load(OFFS + row + 1) - start
+    head = tl.program_id(2)
+    start = tl.load(OFFS + row).to(tl.int32)  # token offsets in int32: the launcher checks numel < 2**31
+    L = tl.load(OFFS + row + 1).to(tl.int32) - start
     m0 = pid_m * BLOCK_M
     if m0 >= L:
         return
@@ -285,7 +285,7 @@ def bwd_q(Q, K, V, DO, LSE, DELTA, DQ, OFFS, POS, SEED, {extra_params} {grad_par
                 mask=q_ok[:, None] & (dqk[None, :] < DQK), other=0.0)
     do = tl.load(DO + q_tok[:, None] * stride_ot + head * stride_oh + dv[None, :],
                  mask=q_ok[:, None] & (dv[None, :] < DV), other=0.0)
-    q_pos = tl.load(POS + q_tok, mask=q_ok, other=0)[:, None]
+    q_pos = tl.load(POS + q_tok, mask=q_ok, other=0).to(tl.int32)[:, None]
     if ACT == 2:
         lse = tl.load(LSE + q_tok * H + head, mask=q_ok, other=float("inf"))
         delta = tl.load(DELTA + q_tok * H + head, mask=q_ok, other=0.0)
@@ -302,7 +302,7 @@ def bwd_q(Q, K, V, DO, LSE, DELTA, DQ, OFFS, POS, SEED, {extra_params} {grad_par
                     mask=k_ok[:, None] & (dqk[None, :] < DQK), other=0.0)
         v = tl.load(V + k_tok[:, None] * stride_vt + head * stride_vh + dv[None, :],
                     mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        k_pos = tl.load(POS + k_tok, mask=k_ok, other=0)[None, :]
+        k_pos = tl.load(POS + k_tok, mask=k_ok, other=0).to(tl.int32)[None, :]
 {load_k_sides_inner}
 {pair}
         if USE_QK:
@@ -420,13 +420,29 @@ def kernels_for(variant: Variant, q_sides, k_sides, tables):
 # launching
 
 
-def _blocks(dqk: int, dv: int, device: torch.device) -> dict:
-    pad = lambda d: max(16, 1 << max(0, (d - 1).bit_length()))  # noqa: E731 - tl.dot needs >= 16
+def _pad(d: int) -> int:
+    return max(16, 1 << max(0, (d - 1).bit_length()))  # tl.dot needs >= 16
+
+
+# GPU tiles per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) for head widths up to 64 / above.
+# Chosen with the AOT report (no spills on sm_80 / sm_90 for the configs of aot_configs); the
+# backward kernels hold two accumulators, hence their narrower inner tile.
+GPU_TILES = {
+    "fwd": {64: (64, 64, 8, 2), 256: (64, 32, 8, 2)},
+    "bwd_kv": {64: (32, 64, 8, 2), 256: (16, 64, 8, 2)},
+    "bwd_q": {64: (64, 32, 8, 2), 256: (64, 16, 8, 2)},
+}
+
+
+def launch_config(kernel: str, dqk: int, dv: int, device: torch.device) -> tuple[dict, int, int]:
+    """``(constexpr blocks, num_warps, num_stages)`` of ``kernel`` ("fwd", "bwd_kv", "bwd_q")."""
+    pads = dict(BLOCK_DQK=_pad(dqk), BLOCK_DV=_pad(dv))
     if device.type == "cpu":  # the interpreter: small tiles keep it fast
-        bm = bn = 16
-    else:
-        bm, bn = (64, 64) if max(dqk, dv) <= 128 else (64, 32)
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=pad(dqk), BLOCK_DV=pad(dv))
+        return dict(BLOCK_M=16, BLOCK_N=16, **pads), 4, 1
+    tiles = GPU_TILES[kernel][64 if max(dqk, dv) <= 64 else 256]
+    env = os.environ.get(f"GRCOMPILE_TILES_{kernel.upper()}")  # "BM,BN,warps,stages": for tuning runs
+    bm, bn, warps, stages = tuple(int(x) for x in env.split(",")) if env else tiles
+    return dict(BLOCK_M=bm, BLOCK_N=bn, **pads), warps, stages
 
 
 def _as_kernel_input(t: torch.Tensor) -> torch.Tensor:
@@ -442,16 +458,27 @@ def _table_args(tables: list[torch.Tensor]) -> list:
     return args
 
 
+def _side_args(q_side, k_side, tables) -> list:
+    return [*(_as_kernel_input(t.contiguous()) for t in (*q_side, *k_side)), *_table_args(tables)]
+
+
 def _variant(q, q_side, k_side, tables, score_mod, activation, causal, use_qk, dropout) -> Variant:
     return Variant(score_mod, activation, causal, use_qk, dropout, tuple(t.dtype for t in q_side),
                    tuple(t.dtype for t in k_side), tuple((t.dim(), t.dtype) for t in tables))
 
 
-def _check_supported(q: torch.Tensor, tables) -> None:
+def _check_supported(q: torch.Tensor, v: torch.Tensor, tables, max_len: int) -> None:
+    """What the kernels assume (int32 offsets and positions, tile sizes); outside it, the reference."""
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TritonFallback(f"the Triton kernel takes float32 / bfloat16 / float16, got {q.dtype}")
-    if max(q.shape[2], 1) > 256:
-        raise TritonFallback(f"head width {q.shape[2]} > 256")
+    if max(q.shape[2], v.shape[2]) > 256:
+        raise TritonFallback(f"head widths {q.shape[2]}, {v.shape[2]}: the kernel takes at most 256")
+    if max_len > POSITION_BOUND or q.shape[1] > HEAD_BOUND:
+        raise TritonFallback(f"max_len {max_len} > {POSITION_BOUND} or {q.shape[1]} heads > {HEAD_BOUND}")
+    big = [name for name, t in (("q", q), ("v", v), *((f"tables[{i}]", t) for i, t in enumerate(tables)))
+           if t.numel() >= 1 << 31]
+    if big or q.shape[0] * q.shape[1] >= 1 << 31:
+        raise TritonFallback(f"{', '.join(big) or 'tokens x heads'} has 2**31 elements or more (int32 offsets)")
 
 
 def _common(q, k, v, offsets, positions, seed, *, activation, causal, use_qk, scale, out_scale, dropout_p):
@@ -461,13 +488,20 @@ def _common(q, k, v, offsets, positions, seed, *, activation, causal, use_qk, sc
     return dict(H=H, DQK=q.shape[2], DV=v.shape[2], scale=float(scale), out_scale=float(out_scale),
                 keep_scale=1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0, threshold=threshold,
                 ACT=_ACT[activation], CAUSAL=causal, USE_QK=use_qk, DROPOUT=dropout_p > 0,
-                IEEE=2 if q.device.type == "cpu" else int(q.dtype == torch.float32), **_blocks(q.shape[2], v.shape[2], q.device)), seed_t
+                IEEE=2 if q.device.type == "cpu" else int(q.dtype == torch.float32)), seed_t
+
+
+def _launch(module, kernel: str, meta: dict, max_len: int, B: int, *args) -> None:
+    blocks, warps, stages = launch_config(kernel, meta["DQK"], meta["DV"], args[0].device)
+    block = blocks["BLOCK_N"] if kernel == "bwd_kv" else blocks["BLOCK_M"]
+    getattr(module, kernel)[(math.ceil(max_len / block), B, meta["H"])](*args, **meta, **blocks, num_warps=warps,
+                                                                         num_stages=stages)
 
 
 def _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score_mod, use_qk, activation, scale,
              out_scale, causal, max_len, dropout_p):
     """``(out, lse, module, code, all_tables)``; raises TritonFallback / Unsupported before launching."""
-    _check_supported(q, tables)
+    _check_supported(q, v, tables, max_len)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     variant = _variant(q, q_side, k_side, tables, score_mod, activation, causal, use_qk, dropout_p > 0)
     module, code = kernels_for(variant, q_side, k_side, tables)
@@ -480,11 +514,10 @@ def _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score
                            scale=scale, out_scale=out_scale, dropout_p=dropout_p)
     B = offsets.shape[0] - 1
     if T and B:
-        grid = (math.ceil(max_len / meta["BLOCK_M"]), B, H)
-        module.fwd[grid](q, k, v, out, lse, offsets, positions, seed_t, oob,
-                         *[_as_kernel_input(t.contiguous()) for t in q_side], *[_as_kernel_input(t.contiguous()) for t in k_side], *_table_args(all_tables),
-                         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                         out.stride(0), out.stride(1), **meta)
+        _launch(module, "fwd", meta, max_len, B, q, k, v, out, lse, offsets, positions, seed_t, oob,
+                *_side_args(q_side, k_side, all_tables),
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                out.stride(0), out.stride(1))
         if int(oob.item()):
             raise ValueError(f"{_OP}: the score_mod {score_mod!r} indexes one of its tables out of range "
                              "(torch raises IndexError on this input)")
@@ -548,13 +581,14 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
                            scale=scale, out_scale=out_scale, dropout_p=dropout_p)
     B = offsets.shape[0] - 1
     if T and B:
-        side_args = [*[_as_kernel_input(t.contiguous()) for t in q_side], *[_as_kernel_input(t.contiguous()) for t in k_side], *_table_args(all_tables)]
+        side_args = _side_args(q_side, k_side, all_tables)
         strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                    grad_out.stride(0), grad_out.stride(1))
-        module.bwd_kv[(math.ceil(max_len / meta["BLOCK_N"]), B, H)](
-            q, k, v, grad_out, lse, delta, dk, dv, offsets, positions, seed_t, *side_args, *grad_args, *strides, **meta)
-        module.bwd_q[(math.ceil(max_len / meta["BLOCK_M"]), B, H)](
-            q, k, v, grad_out, lse, delta, dq, offsets, positions, seed_t, *side_args, *grad_args, *strides, **meta)
+        _launch(module, "bwd_kv", meta, max_len, B, q, k, v, grad_out, lse, delta, dk, dv, offsets, positions, seed_t,
+                *side_args, *grad_args, *strides)
+        if use_qk or fq:  # without q·k and query-side gradients there is nothing for bwd_q to compute
+            _launch(module, "bwd_q", meta, max_len, B, q, k, v, grad_out, lse, delta, dq, offsets, positions, seed_t,
+                    *side_args, *grad_args, *strides)
     if not use_qk:
         dq.zero_(), dk.zero_()
 
@@ -566,5 +600,82 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
     return dq, dk, dv, side_grads(q_side, dqs), side_grads(k_side, dks), d_tables
 
 
-__all__ = ["attention_triton", "attention_backward_triton", "kernels_for", "Variant", "FALLBACKS",
+__all__ = ["attention_triton", "attention_backward_triton", "kernels_for", "Variant", "FALLBACKS", "aot_configs",
            "TritonFallback"]
+
+
+# --------------------------------------------------------------------------------------------
+# ahead-of-time compile configs (python -m grcompile.lowering.aot)
+
+
+def _kernel_signature(fn, q_dtype: torch.dtype, q_sides, k_sides, tables) -> dict[str, str]:
+    """Triton argument types of a generated kernel for tensors of these dtypes."""
+    elem = {**_TL, torch.bool: "u8"}
+    side = {**{f"QS{i}": elem[t.dtype] for i, t in enumerate(q_sides)},
+            **{f"KS{i}": elem[t.dtype] for i, t in enumerate(k_sides)},
+            **{f"tab{i}": elem[t.dtype] for i, t in enumerate(tables)}}
+    signature = {}
+    for param in fn.params:
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+        elif name in ("Q", "K", "V", "O", "DO", "DK", "DV_OUT", "DQ"):
+            signature[name] = "*" + _TL[q_dtype]
+        elif name in ("LSE", "DELTA") or name.startswith(("DQS", "DKS", "dtab")):
+            signature[name] = "*fp32"
+        elif name in ("OFFS", "POS", "SEED"):
+            signature[name] = "*i64"
+        elif name == "OOB":
+            signature[name] = "*i32"
+        elif name in side:
+            signature[name] = "*" + side[name]
+        elif name in ("scale", "out_scale", "keep_scale"):
+            signature[name] = "fp32"
+        else:  # strides, sizes, H, DQK, DV, threshold
+            signature[name] = "i32"
+    return signature
+
+
+def _aot_time_bucket_per_head(score, q_pos, k_pos, head, q_side_0, k_side_0, table_0):
+    """A zoo-style captured bias: log-bucketed time gap, one table column per head."""
+    bucket = torch.clamp(torch.log1p((k_side_0 - q_side_0).abs().float()).div(0.7).long(), 0, 127)
+    return score + table_0[(bucket, head)]
+
+
+def aot_configs() -> list[dict]:
+    """Representative compile configs for the AOT report: bf16 q/k/v (the training dtype; fp32
+    runs the same kernels without tensor cores), head widths 64 and 128, and the score_mods of
+    SASRec (none, softmax, dropout), HSTU (relative position + time-bucket tables, SiLU), FuXi-α's
+    positional channel (no q·k) and a zoo-style per-head time-bucket table."""
+    from .score_mod import hstu_rab_key, register_score_mod, relative_position_bias_key
+    N, H = 8192, 8
+    stamps = torch.zeros(4, dtype=torch.int64)
+    cases = [
+        ("sasrec", "", "softmax", True, True, [], [], [], 64),
+        ("hstu", hstu_rab_key(N, 128), "silu", True, False, [stamps], [stamps],
+         [torch.zeros(2 * N - 1), torch.zeros(129)], 128),
+        ("hstu", hstu_rab_key(N, 128), "silu", True, False, [stamps], [stamps],
+         [torch.zeros(2 * N - 1), torch.zeros(129)], 64),
+        ("fuxi_positional", relative_position_bias_key(N), "identity", False, False, [], [],
+         [torch.zeros(2 * N - 1)], 64),
+        ("time_bucket_per_head", register_score_mod(_aot_time_bucket_per_head), "softmax", True, True,
+         [stamps], [stamps], [torch.zeros(128, H)], 64),
+    ]
+    configs = []
+    cuda = torch.device("cuda")
+    for model, key, activation, use_qk, dropout, q_sides, k_sides, tables, d in cases:
+        variant = Variant(key, activation, True, use_qk, dropout, tuple(t.dtype for t in q_sides),
+                          tuple(t.dtype for t in k_sides), tuple((t.dim(), t.dtype) for t in tables))
+        module, code = kernels_for(variant, q_sides, k_sides, tables)
+        all_tables = list(tables) + list(code.constants if code else [])
+        for kernel in ("fwd", "bwd_kv", "bwd_q") if use_qk else ("fwd", "bwd_kv"):  # see the launch of bwd_q
+            blocks, warps, stages = launch_config(kernel, d, d, cuda)
+            constexprs = dict(blocks, ACT=_ACT[activation], CAUSAL=True, USE_QK=use_qk, DROPOUT=dropout, IEEE=0)
+            fn = getattr(module, kernel)
+            configs.append(dict(
+                kernel=f"jagged_attention_{kernel}", fn=fn,
+                signature=_kernel_signature(fn, torch.bfloat16, q_sides, k_sides, all_tables),
+                constexprs=constexprs, num_warps=warps, num_stages=stages, uses_dot=True,
+                config=dict(model=model, score_mod=key.split("-")[0] or "none", activation=activation,
+                            dtype="bf16", head_dim=d, dropout=dropout, **blocks)))
+    return configs

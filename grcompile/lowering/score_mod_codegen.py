@@ -57,6 +57,14 @@ class Value:
     dtype: Optional[torch.dtype]  # None: a Python scalar constant
     roles: frozenset  # subset of {"q", "k"}
     node: Optional[fx.Node] = None
+    interval: Optional[tuple[int, int]] = None  # integer values: a proven [lo, hi], else unknown
+    narrow: bool = False  # an int64 (torch) value computed as int32 because its interval fits
+
+
+POSITION_BOUND = 1 << 24  # positions (and max_len) the kernels accept: the launcher checks
+HEAD_BOUND = 1 << 16
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+_INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 @dataclass
@@ -164,6 +172,8 @@ class _Gen:
         self.tables: dict[fx.Node, int] = {}  # table placeholder / get_attr -> table slot
         self.n_tab = len(tables)
         self.tmp = 0
+        self.interval: Optional[tuple[int, int]] = None  # of the node being generated
+        self.wide = False
         self.side_dtypes = ([t.dtype for t in q_sides], [t.dtype for t in k_sides])
         self.table_meta = [(tuple(t.shape), t.dtype) for t in tables]
 
@@ -175,13 +185,18 @@ class _Gen:
         meta = self.metas[node]
         dtype = meta.dtype if isinstance(meta, torch.Tensor) else None
         name = self.fresh()
+        interval = self.interval if dtype in _INTS else None
+        narrow = dtype == torch.int64 and interval is not None and _INT32[0] <= interval[0] and interval[1] <= _INT32[1]
+        tl_dtype = "tl.int32" if narrow else _TL_DTYPE.get(dtype)
         constant = not any(self.values[a].dtype is not None for a in node.all_input_nodes if a in self.values)
-        if constant and dtype in _TL_DTYPE:  # all inputs are Python scalars: a 0-d tensor of torch's dtype
-            self.lines.append(f"{name} = tl.full([], {expr}, {_TL_DTYPE[dtype]})")
-            return Value(name, dtype, roles, node)
-        cast = f".to({_TL_DTYPE[dtype]})" if dtype in _TL_DTYPE and dtype != torch.bool else ""
-        self.lines.append(f"{name} = ({expr}){cast}")
-        return Value(name, dtype, roles, node)
+        if constant and tl_dtype:  # all inputs are Python scalars: a 0-d tensor of torch's dtype
+            self.lines.append(f"{name} = tl.full([], {expr}, {tl_dtype})")
+        elif dtype == torch.bool:  # torch's .bool() of a number is "!= 0"; a comparison stays as it is
+            self.lines.append(f"{name} = ({expr}) != 0")
+        else:
+            cast = f".to({tl_dtype})" if tl_dtype else ""
+            self.lines.append(f"{name} = ({expr}){cast}")
+        return Value(name, dtype, roles, node, interval, narrow)
 
     # -- inputs --------------------------------------------------------------------------------
     def placeholders(self) -> None:
@@ -195,19 +210,31 @@ class _Gen:
             fixed.append(("head", torch.int64, set()))
         fixed += [(f"qs{i}", d, {"q"}) for i, d in enumerate(self.side_dtypes[0])]
         fixed += [(f"ks{i}", d, {"k"}) for i, d in enumerate(self.side_dtypes[1])]
+        bounds = {"q_pos": (0, POSITION_BOUND), "k_pos": (0, POSITION_BOUND), "head": (0, HEAD_BOUND)}
         for node, (expr, dtype, roles) in zip(ph, fixed):
             if dtype == torch.bool:  # bool tensors reach the kernel as uint8
                 expr = f"({expr} != 0)"
-            self.values[node] = Value(expr, dtype, frozenset(roles), node)
+            interval = bounds.get(expr, (0, 1) if dtype == torch.bool else None)
+            # the template loads positions and the head index as int32
+            self.values[node] = Value(expr, dtype, frozenset(roles), node, interval, narrow=expr in bounds)
         for i, node in enumerate(ph[len(fixed):]):
-            self.tables[node] = i
+            shape, dtype = self.table_meta[i]
+            if shape == ():  # a 0-d tensor used as a number (e.g. the padded length held in a tensor)
+                value = Value(f"tl.load(tab{i})" + (" != 0" if dtype == torch.bool else ""), dtype, frozenset(), node)
+                value.lookup = (i, "0", "(1 == 1)")  # type: ignore[attr-defined]
+                self.values[node] = value
+            else:
+                self.tables[node] = i
 
     # -- nodes ---------------------------------------------------------------------------------
     def arg(self, a: Any) -> Value:
         if isinstance(a, fx.Node):
             if a in self.tables:
                 raise Unsupported(f"the table {a.name} is used other than by an index lookup")
-            return self.values[a]
+            value = self.values[a]
+            if value.narrow and self.wide:  # an int32-held operand of an op computed in int64
+                return Value(f"{value.expr}.to(tl.int64)", value.dtype, value.roles, value.node, value.interval)
+            return value
         if isinstance(a, bool):
             return Value("True" if a else "False", None, frozenset())
         if isinstance(a, (int, float)):
@@ -258,7 +285,25 @@ class _Gen:
             raise Unsupported(f"{_where(node)} is not an op the Triton score_mod generator knows")
         meta = self.metas[node]
         roles = _roles(node, meta)
+        self.interval = _interval(node, self._intervals(node))
+        # an int op whose result is not proven to fit int32 computes in int64 (operands widened)
+        self.wide = isinstance(meta, torch.Tensor) and meta.dtype == torch.int64 and not (
+            self.interval is not None and _INT32[0] <= self.interval[0] and self.interval[1] <= _INT32[1])
         return handler(self, node, roles)
+
+    def _intervals(self, node: fx.Node) -> list:
+        """The interval of each positional argument (constants exact, unknown values None)."""
+        out = []
+        for a in (*node.args, *node.kwargs.values()):
+            if isinstance(a, fx.Node) and a in self.values:
+                out.append(self.values[a].interval)
+            elif isinstance(a, bool):
+                out.append((int(a), int(a)))
+            elif isinstance(a, int):
+                out.append((a, a))
+            else:
+                out.append(None)
+        return out
 
     def lookup(self, node: fx.Node, roles: frozenset) -> Value:
         table, index = node.args
@@ -274,10 +319,12 @@ class _Gen:
         offset, ok = [], []
         for d, i in enumerate(index):
             v = self.values[i]
-            if v.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            if v.dtype not in _INTS:
                 raise Unsupported(f"{_where(node)} indexes with a {v.dtype} tensor")
             w = self.fresh("ix")
-            self.lines.append(f"{w} = {v.expr}.to(tl.int64)")
+            # int32 offsets when the index is proven small (the launcher checks every table has < 2**31 entries)
+            fits = v.interval is not None and -(1 << 30) <= v.interval[0] and v.interval[1] < (1 << 30)
+            self.lines.append(f"{w} = {v.expr}.to({'tl.int32' if fits else 'tl.int64'})")
             self.lines.append(f"{w} = tl.where({w} < 0, {w} + tab{slot}_n{d}, {w})")
             ok.append(f"({w} >= 0) & ({w} < tab{slot}_n{d})")
             offset.append(f"{w} * tab{slot}_s{d}")
@@ -292,6 +339,52 @@ class _Gen:
         value = self.emit(f"{load} != 0" if self.metas[node].dtype == torch.bool else load, node, roles)
         value.lookup = (slot, off, inb)  # type: ignore[attr-defined]
         return value
+
+
+def _interval(node: fx.Node, args: list) -> Optional[tuple[int, int]]:
+    """A proven range of an integer op's result from its arguments' ranges, else None."""
+    t = node.target
+    name = t if isinstance(t, str) else getattr(t, "__name__", "")
+    a = args[0] if args else None
+    b = args[1] if len(args) > 1 else None
+    if name in ("add", "__radd__") and a and b:
+        return a[0] + b[0], a[1] + b[1]
+    if name == "sub" and a and b:
+        return a[0] - b[1], a[1] - b[0]
+    if name == "__rsub__" and a and b:
+        return b[0] - a[1], b[1] - a[0]
+    if name in ("mul", "__rmul__") and a and b:
+        products = [x * y for x in a for y in b]
+        return min(products), max(products)
+    if name == "neg" and a:
+        return -a[1], -a[0]
+    if name == "abs" and a:
+        lo = 0 if a[0] <= 0 <= a[1] else min(abs(a[0]), abs(a[1]))
+        return lo, max(abs(a[0]), abs(a[1]))
+    if name in ("clamp", "clip", "clamp_min", "clamp_max"):
+        lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
+        hi = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
+        if name == "clamp_max":
+            lo, hi = None, node.args[1]
+        lo = lo if isinstance(lo, int) and not isinstance(lo, bool) else None
+        hi = hi if isinstance(hi, int) and not isinstance(hi, bool) else None
+        if a is None:
+            return (lo, hi) if lo is not None and hi is not None else None
+        return max(a[0], lo) if lo is not None else a[0], min(a[1], hi) if hi is not None else a[1]
+    if name in ("minimum", "min") and a and b:
+        return min(a[0], b[0]), min(a[1], b[1])
+    if name in ("maximum", "max") and a and b:
+        return max(a[0], b[0]), max(a[1], b[1])
+    if name == "where" and len(args) > 2 and args[1] and args[2]:
+        return min(args[1][0], args[2][0]), max(args[1][1], args[2][1])
+    if name == "floordiv" and a and b and b[0] == b[1] and b[0] > 0:
+        return a[0] // b[0], a[1] // b[0]
+    if name in ("long", "int", "to", "type", "contiguous") and a:
+        return a  # an integer cast of an integer keeps its range (a float's range is unknown: a is None)
+    if name in ("lt", "le", "gt", "ge", "eq", "ne", "and_", "or_", "xor", "invert", "logical_and", "logical_or",
+                "logical_not", "bool"):
+        return 0, 1
+    return None
 
 
 def role_mask(roles: frozenset, condition: str = "") -> str:
@@ -316,10 +409,10 @@ def _reflected(op: str) -> Callable:
     return handler
 
 
-def _unary(template: str) -> Callable:
+def _unary(template: str, float_only: bool = True) -> Callable:
     def handler(gen: _Gen, node: fx.Node, roles):
         x = gen.arg(node.args[0])
-        if x.dtype is not None and not x.dtype.is_floating_point and "{x}" in template and "tl." in template:
+        if float_only and x.dtype is not None and not x.dtype.is_floating_point:  # torch.log(int) is float32
             x = Value(f"{x.expr}.to(tl.float32)", torch.float32, x.roles)
         return gen.emit(template.format(x=x.expr), node, roles)
     return handler
@@ -457,17 +550,17 @@ _FUNCTIONS: dict[Any, Callable] = {
     operator.lt: _binary("<"), operator.le: _binary("<="), operator.gt: _binary(">"), operator.ge: _binary(">="),
     operator.eq: _binary("=="), operator.ne: _binary("!="),
     operator.and_: _binary("&"), operator.or_: _binary("|"), operator.xor: _binary("^"),
-    operator.getitem: _getitem, operator.pow: _pow, operator.abs: _unary("tl.abs({x})"),
+    operator.getitem: _getitem, operator.pow: _pow, operator.abs: _unary("tl.abs({x})", float_only=False),
     torch.add: _binary("+"), torch.sub: _binary("-"), torch.mul: _binary("*"), torch.div: _div,
     torch.true_divide: _div, torch.neg: _neg, torch.where: _where_fn, torch.clamp: _clamp, torch.clip: _clamp,
     torch.clamp_min: _clamp, torch.clamp_max: _clamp, torch.minimum: _minmax("min"), torch.maximum: _minmax("max"),
     torch.min: _minmax("min"), torch.max: _minmax("max"), torch.full: _full,
     torch.zeros_like: _full_like(0), torch.ones_like: _full_like(1), torch.full_like: _full_like(None),
-    torch.log1p: _log1p, F.silu: _silu, torch.nn.functional.relu: _unary(_ANY_UNARY["relu"]),
+    torch.log1p: _log1p, F.silu: _silu, torch.nn.functional.relu: _unary(_ANY_UNARY["relu"], float_only=False),
     torch.pow: _pow, torch.masked_fill: _masked_fill, torch.lt: _binary("<"), torch.le: _binary("<="),
     torch.gt: _binary(">"), torch.ge: _binary(">="), torch.eq: _binary("=="), torch.ne: _binary("!="),
     torch.logical_and: _binary("&"), torch.logical_or: _binary("|"), torch.logical_not: _invert,
-    torch.abs: _unary(_ANY_UNARY["abs"]), torch.relu: _unary(_ANY_UNARY["relu"]),
+    torch.abs: _unary(_ANY_UNARY["abs"], float_only=False), torch.relu: _unary(_ANY_UNARY["relu"], float_only=False),
 }
 for _name, _tpl in _FLOAT_UNARY.items():
     _FUNCTIONS[getattr(torch, _name)] = _unary(_tpl)
@@ -476,7 +569,7 @@ _FUNCTIONS[torch.sigmoid] = _unary(_FLOAT_UNARY["sigmoid"])
 _METHODS: dict[str, Callable] = {
     "add": _binary("+"), "sub": _binary("-"), "mul": _binary("*"), "div": _div, "true_divide": _div,
     "__radd__": _reflected("+"), "__rsub__": _reflected("-"), "__rmul__": _reflected("*"),
-    "neg": _neg, "abs": _unary(_ANY_UNARY["abs"]), "relu": _unary(_ANY_UNARY["relu"]),
+    "neg": _neg, "abs": _unary(_ANY_UNARY["abs"], float_only=False), "relu": _unary(_ANY_UNARY["relu"], float_only=False),
     "float": _cast, "double": _cast, "long": _cast, "int": _cast, "half": _cast, "bfloat16": _cast,
     "bool": _cast, "to": _to, "type": _to, "type_as": _cast, "masked_fill": _masked_fill, "clamp": _clamp,
     "clamp_min": _clamp, "clamp_max": _clamp, "clip": _clamp, "log1p": _log1p, "pow": _pow,
@@ -506,8 +599,10 @@ class _Backward:
         for node, value in gen.values.items():
             if node.op == "placeholder":
                 e = value.expr
+                lookup = getattr(value, "lookup", None)
                 if e == "s" or (e.startswith("qs") and int(e[2:]) in self.grad_q) or \
-                        (e.startswith("ks") and int(e[2:]) in self.grad_k):
+                        (e.startswith("ks") and int(e[2:]) in self.grad_k) or \
+                        (lookup is not None and lookup[0] in self.grad_tables):
                     needs.add(node)
                 continue
             if value.dtype is None or not value.dtype.is_floating_point:
@@ -543,7 +638,7 @@ class _Backward:
             self.adj[self.out.node] = "g_mod"
         for node in reversed(list(gen.values)):
             g = self.adj.get(node)
-            if g is None or node.op == "placeholder":
+            if g is None or (node.op == "placeholder" and not hasattr(gen.values[node], "lookup")):
                 continue
             self.rule(node, g)
         for node, value in gen.values.items():
@@ -570,7 +665,10 @@ class _Backward:
         if lookup is not None:
             slot, off, inb = lookup
             if slot in self.grad_tables:  # g, off and inb all have the lookup's own shape
-                self.lines.append(f"tl.atomic_add(dtab{slot} + {off}, tl.where({inb}, {g}, 0.0), mask={inb})")
+                if off == "0":  # a 0-d table: g is this tile's sum already
+                    self.lines.append(f"tl.atomic_add(dtab{slot}, {g})")
+                else:
+                    self.lines.append(f"tl.atomic_add(dtab{slot} + {off}, tl.where({inb}, {g}, 0.0), mask={inb})")
             return
 
         def x(i):

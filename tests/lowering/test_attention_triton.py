@@ -40,7 +40,17 @@ def time_buckets_per_head(score, q_pos, k_pos, head, q_side_0, k_side_0, table_0
     return torch.nn.functional.silu(score + table_0[(bucket, head)]) / 12 * torch.where(k_pos <= q_pos, 1.0, 0.0)
 
 
-BIASES = ["none", "hstu", "position", "mask", "per_head", "time_per_head"]
+def scalar_tables(score, q_pos, k_pos, k_side_0, table_0, table_1, table_2):
+    """0-d tensors used as numbers (a padded length kept as a tensor, a learned temperature)."""
+    return torch.nn.functional.silu(score + table_1[k_pos - q_pos + table_0 - 1]) / table_2 * k_side_0
+
+
+def exact_int_gap(score, q_pos, k_pos, q_side_0, k_side_0):
+    """Integer math on timestamps beyond float32's 2**24: abs must stay an integer op."""
+    return score + ((k_side_0 - q_side_0).abs() > 16_777_216).float()
+
+
+BIASES = ["none", "hstu", "position", "mask", "per_head", "time_per_head", "scalar_tables", "exact_int_gap"]
 
 
 def _setup(bias: str, N: int, H: int, T: int, gen: torch.Generator, dtype=torch.float32):
@@ -62,6 +72,12 @@ def _setup(bias: str, N: int, H: int, T: int, gen: torch.Generator, dtype=torch.
         return S.register_score_mod(per_head_table), [], [], [rnd(H, N, N)]
     if bias == "time_per_head":
         return S.register_score_mod(time_buckets_per_head), [stamps()], [stamps()], [rnd(16, H)]
+    if bias == "scalar_tables":
+        return (S.register_score_mod(scalar_tables), [], [rnd(T)],
+                [torch.tensor(N), rnd(2 * N - 1), torch.rand((), generator=gen, dtype=dtype) + 0.5])
+    if bias == "exact_int_gap":  # gaps of exactly 2**24 + 1: float32 would round them to 2**24
+        base = torch.randint(0, 2, (T,), generator=gen) * (16_777_217 - 5) + 1_700_000_000
+        return S.register_score_mod(exact_int_gap), [base], [base + torch.randint(0, 6, (T,), generator=gen)], []
     raise AssertionError(bias)
 
 
