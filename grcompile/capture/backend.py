@@ -65,7 +65,9 @@ class GrcompileState:
         grown = _graph_break_counts()
         grown.subtract(self.graph_breaks_at_start)
         reasons = {k: v for k, v in grown.items() if v > 0}
+        from ..lowering import kernel_fallbacks, kernel_usage
         return Report(rewrites=list(self.rewrites), fallbacks=list(self.fallbacks),
+                      kernels=kernel_usage(), kernel_fallbacks=kernel_fallbacks(),
                       compiles=self.compiles, graph_breaks=sum(reasons.values()),
                       counters=dict(self.counters), passes=[pass_name(p) for p in self.passes],
                       lowering=self.lowering, graph_break_reasons=reasons, sparse_plan=self.sparse_plan,
@@ -145,9 +147,16 @@ class GrcompileBackend:
 
         def lower(gm: fx.GraphModule) -> Callable[..., Any]:
             # the backward compiles now, not at the first backward(), so its failures land here too
-            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            from ..lowering import preferred_backend
+            # a kernel backend chosen by hand (GRCOMPILE_BACKEND / use_backend) changes what the
+            # autograd formulas trace (gated_norm's backward op) without changing the caches' keys:
+            # compile without the caches then, or a graph traced for another backend is reused
+            forced = preferred_backend() != "auto"
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True,
+                                               **({"enable_autograd_cache": False} if forced else {})):
                 from .lowering_config import INDUCTOR_CONFIG  # scoped to this compile (and its backward)
-                return compile_fx(gm, list(example_inputs), config_patches=INDUCTOR_CONFIG)
+                patches = {**INDUCTOR_CONFIG, **({"fx_graph_cache": False} if forced else {})}
+                return compile_fx(gm, list(example_inputs), config_patches=patches)
 
         pin_checks(gm)  # index checks run before any kernel reads the index
         try:

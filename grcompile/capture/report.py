@@ -27,6 +27,10 @@ class Report:
     unoptimized: list[dict[str, Any]] = field(default_factory=list)
     # why each compile after the first happened: {graph, reason} (capture/shapes.py)
     recompiles: list[dict[str, Any]] = field(default_factory=list)
+    # grcompile ops run so far in this process, per kernel backend: {op: {backend: calls}}, and
+    # why an op ran its reference instead of the device's kernel (one sentence each)
+    kernels: dict[str, dict[str, int]] = field(default_factory=dict)
+    kernel_fallbacks: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,6 +61,12 @@ class Report:
             lines.append(f"  recompile graph {r['graph']}: {r['reason']}")
         if self.sparse_plan:
             lines.append(f"sparse: {self.sparse_plan}")
+        if self.kernels:
+            lines.append("kernels run (this process): " + "; ".join(
+                f"{op}: " + ", ".join(f"{b} x{n}" for b, n in sorted(calls.items()))
+                for op, calls in sorted(self.kernels.items())))
+        for why in self.kernel_fallbacks:
+            lines.append(f"  kernel fallback  {why}")
         if self.counters:
             lines.append("counters: " + ", ".join(f"{k}={v}" for k, v in sorted(self.counters.items())))
         for reason, n in sorted(self.graph_break_reasons.items()):

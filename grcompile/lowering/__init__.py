@@ -13,10 +13,11 @@ Backend choice (``GRCOMPILE_BACKEND`` or :func:`use_backend`): ``auto`` (default
 device's kernel slot; ``reference`` forces the reference everywhere; ``triton`` also runs the
 Triton kernels on CPU tensors, which needs ``TRITON_INTERPRET=1`` set before Triton is imported
 (tests, and anyone without a GPU). A kernel slot given as ``"module:attr"`` is imported on first
-use, so ``import grcompile`` does not import Triton.
+use (``import torch`` itself imports the Triton package when it is installed, to probe it, so
+set ``TRITON_INTERPRET=1`` before importing torch).
 
 Ops (``torch.ops.grcompile.*``): ``jagged_attention`` (+ its ``jagged_attention_backward``),
-``gated_norm``. Helpers: :mod:`.jagged` (packing), :mod:`.score_mod` (bias registry).
+``gated_norm`` (+ ``gated_norm_backward``, used by the Triton backend). Helpers: :mod:`.jagged` (packing), :mod:`.score_mod` (bias registry).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class OpEntry:
     triton: Kernel = None
     ascend: Kernel = None
     calls: Counter = field(default_factory=Counter)  # backend -> calls (what report() shows)
+    fallbacks: dict = field(default_factory=dict)  # key (e.g. a score_mod) -> why the kernel did not run
 
     def kernel_for(self, device_type: str, backend: Optional[str] = None) -> tuple[str, Callable]:
         """``(backend name, callable)`` for a tensor on ``device_type``."""
@@ -110,6 +112,28 @@ def register_op(name: str, reference: Callable, triton: Kernel = None, ascend: K
     return entry
 
 
+def note_fallback(name: str, key: str, why: str, kernel: str = "triton") -> bool:
+    """Record that op ``name``'s ``kernel`` handed a call (for ``key``) to the reference; True the
+    first time (the caller warns once). The call counts under "reference", not ``kernel``."""
+    entry = OPS[name]
+    first = key not in entry.fallbacks
+    entry.fallbacks[key] = why
+    entry.calls[kernel] -= 1
+    entry.calls["reference"] += 1
+    return first
+
+
+def kernel_usage() -> dict[str, dict[str, int]]:
+    """``{op: {backend: calls}}`` of the ops run so far in this process."""
+    return {name: dict(entry.calls) for name, entry in sorted(OPS.items()) if entry.calls}
+
+
+def kernel_fallbacks() -> list[str]:
+    """One sentence per (op, key) that ran the reference instead of a kernel, and why."""
+    return [f"{name} ({key or 'no score_mod'}): {why}" for name, entry in sorted(OPS.items())
+            for key, why in entry.fallbacks.items()]
+
+
 def lookup(name: str, device_type: str) -> Callable:
     """The implementation of op ``name`` for ``device_type`` ("cpu", "cuda", "npu", ...); counts
     the call under the backend it picked."""
@@ -130,6 +154,7 @@ from .attention import (  # noqa: E402,F401
 from .norm import gated_norm  # noqa: E402,F401
 
 __all__ = ["OPS", "OpEntry", "BACKENDS", "register_op", "lookup", "use_backend", "preferred_backend",
+           "note_fallback", "kernel_usage", "kernel_fallbacks",
            "register_score_mod", "get_score_mod",
            "jagged_attention", "hstu_attention", "fuxi_attention", "jagged_softmax_attention",
            "gated_norm", "jagged", "score_mod"]

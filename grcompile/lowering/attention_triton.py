@@ -542,15 +542,13 @@ def attention_triton(q, k, v, offsets, positions, q_side, k_side, tables, seed=N
                                     causal=causal, max_len=max_len, dropout_p=dropout_p)
 
 
-FALLBACKS: dict[str, str] = {}  # score_mod key (or "") -> why the reference ran instead of Triton
-
-
-def _note_fallback(score_mod: str, why: str) -> None:
-    if score_mod not in FALLBACKS:
+def _note_fallback(score_mod: str, why: str, op: str = "jagged_attention") -> None:
+    """The reference runs this call; the registry keeps why (``report()`` shows it), warned once."""
+    from . import note_fallback
+    if note_fallback(op, score_mod, why):
         import warnings
         warnings.warn(f"{_OP}: the Triton kernel does not run score_mod {score_mod or '(none)'!r}: {why}; "
                       "the reference implementation runs instead (same values, slower)", stacklevel=3)
-    FALLBACKS[score_mod] = why
 
 
 def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed=None, *,
@@ -562,7 +560,7 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
         out, lse, module, code, all_tables = _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed,
                                                       **kwargs)
     except (TritonFallback, Unsupported) as why:
-        _note_fallback(score_mod, str(why))
+        _note_fallback(score_mod, str(why), "jagged_attention_backward")
         return _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed,
                                              **kwargs)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -600,7 +598,7 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
     return dq, dk, dv, side_grads(q_side, dqs), side_grads(k_side, dks), d_tables
 
 
-__all__ = ["attention_triton", "attention_backward_triton", "kernels_for", "Variant", "FALLBACKS", "aot_configs",
+__all__ = ["attention_triton", "attention_backward_triton", "kernels_for", "Variant", "aot_configs",
            "TritonFallback"]
 
 

@@ -196,7 +196,7 @@ def test_unknown_op_in_score_mod_falls_back_to_the_reference_with_a_reason():
     with pytest.warns(UserWarning, match="reference implementation runs instead"):
         got = at.attention_triton(*args, **kwargs)
     torch.testing.assert_close(got, ref._attention_reference(*args, **kwargs))
-    assert "cumsum" in at.FALLBACKS[key]
+    assert "cumsum" in OPS["jagged_attention"].fallbacks[key]
 
 
 def test_the_custom_op_runs_the_triton_kernel_when_selected():
@@ -210,3 +210,27 @@ def test_the_custom_op_runs_the_triton_kernel_when_selected():
     assert OPS["jagged_attention_backward"].calls["triton"] == before[1] + 1
     want = ref._attention_reference(*args, **kwargs)
     torch.testing.assert_close(out.detach(), want)
+
+
+def test_report_names_the_kernel_backend_and_why_a_kernel_did_not_run():
+    import grcompile
+    from tests.zoo import harness
+
+    user, _ = harness.load("sdpa_float_mask")
+    model = grcompile.optimize(user.module, lowering="eager")
+    with use_backend("triton"):
+        out = model(*user.batch(3, 12, 0))
+        harness._tensors(out)[0].float().sum().backward()
+    report = grcompile.report(model)
+    assert report.kernels["jagged_attention"].get("triton", 0) >= 1, report.kernels
+    assert report.kernels["jagged_attention_backward"].get("triton", 0) >= 1, report.kernels
+    assert "kernels run (this process): " in str(report)
+
+    def cumulative_keys(score, q_pos, k_pos):
+        return score + torch.cumsum(k_pos.float(), dim=-1)
+    key = S.register_score_mod(cumulative_keys)
+    args, kwargs = _case([5, 2], 1, 8, 8, "silu", True, 0.0, "none", 9)
+    kwargs["score_mod"] = key
+    with use_backend("triton"), pytest.warns(UserWarning):
+        torch.ops.grcompile.jagged_attention(*args, **kwargs)
+    assert any(key in line and "cumsum" in line for line in grcompile.report(model).kernel_fallbacks)
