@@ -194,3 +194,37 @@ def test_dense_models_really_read_their_padding():
         short, longer = model(ids), model(torch.nn.functional.pad(ids, (0, 2)))
     valid = ids != 0
     assert (longer[:, :MAX_LEN] - short)[valid].abs().max() > 1e-3
+
+
+# The Triton kernels (run by Triton's interpreter on CPU): each zoo model's captured score_mod is
+# generated into the attention kernel. Default run: the per-head tables, 0-d tables, bool masks
+# and time buckets; -m slow: every model.
+TRITON_DEFAULT = ["t5_bucket_bias", "hstu_onehot_einsum", "hstu_gather_holes", "negatives_rn"]
+
+
+def _exact_with_triton(name: str) -> None:
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1 before triton is imported")
+    from grcompile.lowering import OPS, use_backend
+    before = {op: OPS[op].calls["triton"] for op in ("jagged_attention", "jagged_attention_backward")}
+    fallbacks = {op: dict(OPS[op].fallbacks) for op in before}
+    with use_backend("triton"):
+        first, _ = run_sequence(name, "eager", shapes=SHAPES[:1], eval_grad=False)
+    if fused_count(first):
+        for op in before:
+            assert OPS[op].calls["triton"] > before[op], f"{op} never ran its Triton kernel"
+            new = {k: v for k, v in OPS[op].fallbacks.items() if k not in fallbacks[op]}
+            assert not new, f"{op} handed score_mods to the reference: {new}"
+
+
+@pytest.mark.parametrize("name", TRITON_DEFAULT)
+def test_exact_with_triton_kernels(name):
+    _exact_with_triton(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_exact_with_triton_kernels_all(name):
+    _exact_with_triton(name)
