@@ -21,7 +21,8 @@ __all__ = ["__version__", "optimize", "report", "Report", "GraphPass", "PassCont
 
 # option -> default; dump_dir None means "$GRCOMPILE_DUMP_DIR if set".
 OPTIONS: dict[str, Any] = {"dump_dir": None, "passes": None, "lowering": "inductor",
-                           "dynamic": False, "fullgraph": False, "sparse": None, "strict": False}
+                           "dynamic": False, "fullgraph": False, "sparse": None, "strict": False,
+                           "backend": None}
 
 _STATE_ATTR = "_grcompile_state"
 
@@ -51,9 +52,17 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
     sharded sparse runtime first — the model is rewritten in place — and only the dense part is compiled),
     ``strict`` (default ``False``: code that Dynamo cannot trace, or a graph the lowering cannot
     compile, runs unoptimized — the user's code eagerly, or the captured graph without the passes —
-    with an ``UnoptimizedWarning`` and a ``report().unoptimized`` entry; ``True``: raise instead).
+    with an ``UnoptimizedWarning`` and a ``report().unoptimized`` entry; ``True``: raise instead),
+    ``backend`` (the kernels of grcompile's ops: ``None`` leaves the process's choice, i.e.
+    ``$GRCOMPILE_BACKEND`` or ``"auto"`` — Triton on CUDA, Ascend on NPU, the reference on CPU;
+    ``"triton"`` / ``"reference"`` / ``"ascend"`` set it for the process: ops pick their kernel when
+    they run, and a training step's backward runs outside the module's call, so the choice cannot
+    be per module. ``report()`` lists the kernels that ran).
     """
     opts = _merge_options(options, kwargs)
+    if opts["backend"] is not None:
+        from .lowering import set_backend
+        set_backend(opts["backend"])
     if opts["lowering"] not in LOWERINGS:
         raise ValueError(f"lowering must be one of {LOWERINGS}, got {opts['lowering']!r}")
     if opts["passes"] is None:

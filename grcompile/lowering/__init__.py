@@ -9,7 +9,8 @@ backend is checked against the same reference by the property tests in ``tests/l
     lookup("jagged_attention", "cpu")   # -> fn (cuda -> triton, npu -> ascend, else reference)
     OPS                                 # name -> OpEntry (with per-backend call counts)
 
-Backend choice (``GRCOMPILE_BACKEND`` or :func:`use_backend`): ``auto`` (default) picks the
+Backend choice (:func:`use_backend` scopes, else :func:`set_backend` / ``optimize(backend=)``, else
+``GRCOMPILE_BACKEND``): ``auto`` (default) picks the
 device's kernel slot; ``reference`` forces the reference everywhere; ``triton`` also runs the
 Triton kernels on CPU tensors, which needs ``TRITON_INTERPRET=1`` set before Triton is imported
 (tests, and anyone without a GPU). A kernel slot given as ``"module:attr"`` is imported on first
@@ -72,10 +73,24 @@ OPS: dict[str, OpEntry] = {}
 _OVERRIDE: list[str] = []  # innermost use_backend() last
 
 
+_PROCESS: list[str] = []  # set_backend()'s choice
+
+
+def set_backend(backend: Optional[str]) -> None:
+    """The kernel backend of this process (``optimize(..., backend=)``; ``None``: back to
+    ``GRCOMPILE_BACKEND``); ``use_backend`` scopes win."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _PROCESS[:] = [backend] if backend is not None else []
+
+
 def preferred_backend() -> str:
-    """``use_backend``'s innermost choice, else ``GRCOMPILE_BACKEND``, else ``auto``."""
+    """``use_backend``'s innermost choice, else ``set_backend``'s, else ``GRCOMPILE_BACKEND``,
+    else ``auto``."""
     if _OVERRIDE:
         return _OVERRIDE[-1]
+    if _PROCESS:
+        return _PROCESS[0]
     backend = os.environ.get("GRCOMPILE_BACKEND", "auto") or "auto"
     if backend not in BACKENDS:
         raise ValueError(f"GRCOMPILE_BACKEND must be one of {BACKENDS}, got {backend!r}")
@@ -154,7 +169,7 @@ from .attention import (  # noqa: E402,F401
 from .norm import gated_norm  # noqa: E402,F401
 
 __all__ = ["OPS", "OpEntry", "BACKENDS", "register_op", "lookup", "use_backend", "preferred_backend",
-           "note_fallback", "kernel_usage", "kernel_fallbacks",
+           "note_fallback", "kernel_usage", "kernel_fallbacks", "set_backend",
            "register_score_mod", "get_score_mod",
            "jagged_attention", "hstu_attention", "fuxi_attention", "jagged_softmax_attention",
            "gated_norm", "jagged", "score_mod"]

@@ -234,3 +234,23 @@ def test_report_names_the_kernel_backend_and_why_a_kernel_did_not_run():
     with use_backend("triton"), pytest.warns(UserWarning):
         torch.ops.grcompile.jagged_attention(*args, **kwargs)
     assert any(key in line and "cumsum" in line for line in grcompile.report(model).kernel_fallbacks)
+
+
+def test_optimize_backend_option_sets_the_process_kernel_backend():
+    import grcompile
+    from grcompile.lowering import preferred_backend, set_backend
+
+    with pytest.raises(ValueError, match="backend must be one of"):
+        grcompile.optimize(torch.nn.Linear(2, 2), backend="cuda")
+    try:
+        grcompile.optimize(torch.nn.Linear(2, 2), backend="triton")
+        assert preferred_backend() == "triton"
+        args, kwargs = _case([7, 3], 2, 8, 8, "softmax", True, 0.0, "none", 6)
+        before = OPS["jagged_attention"].calls["triton"]
+        torch.ops.grcompile.jagged_attention(*args, **kwargs)
+        assert OPS["jagged_attention"].calls["triton"] == before + 1
+        with use_backend("reference"):
+            assert preferred_backend() == "reference"
+    finally:
+        set_backend(None)
+    assert preferred_backend() == "auto"
