@@ -498,6 +498,10 @@ def _pow(gen: _Gen, node: fx.Node, roles):
 
 def _div(gen: _Gen, node: fx.Node, roles):
     rounding = node.kwargs.get("rounding_mode")
+    if rounding == "floor":
+        return _floordiv(gen, node, roles)
+    if rounding == "trunc":
+        return _truncdiv(gen, node, roles)
     if rounding is not None:
         raise Unsupported(f"{_where(node)}: division with rounding_mode={rounding!r}")
     a, b = (gen.arg(x) for x in node.args[:2])
@@ -505,15 +509,46 @@ def _div(gen: _Gen, node: fx.Node, roles):
     return gen.emit(f"{fa} / {b.expr}", node, roles)
 
 
+def _is_float(*values: Value) -> bool:
+    return any(v.dtype.is_floating_point if v.dtype is not None else "." in v.expr or "e" in v.expr
+               for v in values)
+
+
+def _int_floor_parts(gen: _Gen, a: Value, b: Value) -> tuple[str, str]:
+    """``(floor quotient, remainder with b's sign)`` of integers, whatever Triton's ``//`` rounds
+    to (C truncation compiled, numpy's floor in the interpreter): the remainder decides."""
+    q, r = gen.fresh("q"), gen.fresh("r")
+    gen.lines.append(f"{q} = {a.expr} // {b.expr}")
+    gen.lines.append(f"{r} = {a.expr} - {q} * {b.expr}")
+    fix = gen.fresh("fix")
+    gen.lines.append(f"{fix} = ({r} != 0) & (({r} < 0) != ({b.expr} < 0))")
+    return f"tl.where({fix}, {q} - 1, {q})", f"tl.where({fix}, {r} + {b.expr}, {r})"
+
+
 def _floordiv(gen: _Gen, node: fx.Node, roles):
     a, b = (gen.arg(x) for x in node.args[:2])
-    if any(v.dtype is not None and v.dtype.is_floating_point for v in (a, b)):
-        raise Unsupported(f"{_where(node)}: floor division of floating values")
-    # torch floors; Triton's integer // truncates toward zero
-    q = gen.fresh("fd")
-    gen.lines.append(f"{q} = {a.expr} // {b.expr}")
-    return gen.emit(f"tl.where(({q} * {b.expr} != {a.expr}) & (({a.expr} < 0) != ({b.expr} < 0)), {q} - 1, {q})",
+    if _is_float(a, b):
+        return gen.emit(f"tl.floor({a.expr} / {b.expr})", node, roles)
+    return gen.emit(_int_floor_parts(gen, a, b)[0], node, roles)
+
+
+def _truncdiv(gen: _Gen, node: fx.Node, roles):
+    a, b = (gen.arg(x) for x in node.args[:2])
+    if _is_float(a, b):
+        x = gen.fresh("x")
+        gen.lines.append(f"{x} = {a.expr} / {b.expr}")
+        return gen.emit(f"tl.where({x} < 0, tl.ceil({x}), tl.floor({x}))", node, roles)
+    floor, rem = _int_floor_parts(gen, a, b)
+    return gen.emit(f"tl.where(({rem} != 0) & (({a.expr} < 0) != ({b.expr} < 0)), {floor} + 1, {floor})",
                     node, roles)
+
+
+def _mod(gen: _Gen, node: fx.Node, roles):
+    """torch.remainder / ``%``: the sign of the divisor (Python's), not C's fmod."""
+    a, b = (gen.arg(x) for x in node.args[:2])
+    if _is_float(a, b):
+        return gen.emit(f"{a.expr} - tl.floor({a.expr} / {b.expr}) * {b.expr}", node, roles)
+    return gen.emit(_int_floor_parts(gen, a, b)[1], node, roles)
 
 
 def _log1p(gen: _Gen, node: fx.Node, roles):
@@ -539,7 +574,7 @@ def _neg(gen: _Gen, node: fx.Node, roles):
     return gen.emit(f"-{gen.arg(node.args[0]).expr}", node, roles)
 
 
-_FLOAT_UNARY = {"exp": "tl.exp({x})", "log": "tl.log({x})", "sqrt": "tl.sqrt({x})", "rsqrt": "tl.rsqrt({x})",
+_FLOAT_UNARY = {"exp": "tl.exp({x})", "log": "tl.log({x})", "log2": "tl.log2({x})", "exp2": "tl.exp2({x})", "sqrt": "tl.sqrt({x})", "rsqrt": "tl.rsqrt({x})",
                 "sigmoid": "1.0 / (1.0 + tl.exp(-{x}))", "tanh": "2.0 / (1.0 + tl.exp(-2.0 * {x})) - 1.0",
                 "floor": "tl.floor({x})", "ceil": "tl.ceil({x})"}
 _ANY_UNARY = {"abs": "tl.abs({x})", "relu": "tl.where({x} > 0, {x}, 0)"}
@@ -550,6 +585,7 @@ _FUNCTIONS: dict[Any, Callable] = {
     operator.lt: _binary("<"), operator.le: _binary("<="), operator.gt: _binary(">"), operator.ge: _binary(">="),
     operator.eq: _binary("=="), operator.ne: _binary("!="),
     operator.and_: _binary("&"), operator.or_: _binary("|"), operator.xor: _binary("^"),
+    operator.mod: _mod, torch.remainder: _mod, torch.floor_divide: _floordiv,
     operator.getitem: _getitem, operator.pow: _pow, operator.abs: _unary("tl.abs({x})", float_only=False),
     torch.add: _binary("+"), torch.sub: _binary("-"), torch.mul: _binary("*"), torch.div: _div,
     torch.true_divide: _div, torch.neg: _neg, torch.where: _where_fn, torch.clamp: _clamp, torch.clip: _clamp,
@@ -575,7 +611,8 @@ _METHODS: dict[str, Callable] = {
     "clamp_min": _clamp, "clamp_max": _clamp, "clip": _clamp, "log1p": _log1p, "pow": _pow,
     "lt": _binary("<"), "le": _binary("<="), "gt": _binary(">"), "ge": _binary(">="), "eq": _binary("=="),
     "ne": _binary("!="), "logical_not": _invert, "minimum": _minmax("min"), "maximum": _minmax("max"),
-    "contiguous": _cast,
+    "contiguous": _cast, "remainder": _mod, "floor_divide": _floordiv, "__floordiv__": _floordiv,
+    "__mod__": _mod,
 }
 for _name, _tpl in _FLOAT_UNARY.items():
     _METHODS[_name] = _unary(_tpl)
@@ -685,6 +722,8 @@ class _Backward:
         elif name in ("mul", "__rmul__") or t is torch.mul:
             self.add(args[0], f"{g} * {x(1)}", roles)
             self.add(args[1], f"{g} * {x(0)}", roles)
+        elif node.kwargs.get("rounding_mode"):
+            return  # floor / trunc division: zero derivative almost everywhere, as torch
         elif name in ("truediv", "div", "true_divide") or t is torch.div:
             self.add(args[0], f"{g} / {x(1)}", roles)
             self.add(args[1], f"-{g} * {v.expr} / {x(1)}", roles)
@@ -741,7 +780,15 @@ class _Backward:
             d = {2: f"2.0 * {xv}", 3: f"3.0 * {xv} * {xv}", 0.5: f"0.5 / {v.expr}",
                  -0.5: f"-0.5 * {v.expr} / {xv}", -1: f"-{v.expr} * {v.expr}", 1: "1.0"}[e]
             self.add(args[0], f"{g} * {d}", roles)
-        elif name in ("floor", "ceil", "full", "zeros_like", "ones_like", "full_like"):
+        elif name == "log2":
+            self.add(args[0], f"{g} / ({x(0)} * 0.6931471805599453)", roles)
+        elif name == "exp2":
+            self.add(args[0], f"{g} * {v.expr} * 0.6931471805599453", roles)
+        elif name in ("mod", "remainder", "__mod__"):  # a - floor(a / b) * b
+            self.add(args[0], g, roles)
+            self.add(args[1], f"-{g} * tl.floor({x(0)} / {x(1)})", roles)
+        elif name in ("floor", "ceil", "full", "zeros_like", "ones_like", "full_like", "floordiv",
+                      "floor_divide", "__floordiv__") or (name in ("div",) and node.kwargs.get("rounding_mode")):
             return  # zero derivative (floor/ceil almost everywhere, as torch)
         else:
             raise Unsupported(f"{_where(node)} has no derivative rule in the Triton score_mod generator")

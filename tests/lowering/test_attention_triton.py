@@ -50,7 +50,16 @@ def exact_int_gap(score, q_pos, k_pos, q_side_0, k_side_0):
     return score + ((k_side_0 - q_side_0).abs() > 16_777_216).float()
 
 
-BIASES = ["none", "hstu", "position", "mask", "per_head", "time_per_head", "scalar_tables", "exact_int_gap"]
+def hour_of_gap(score, q_pos, k_pos, q_side_0, k_side_0, table_0):
+    """Integer floor division and remainder of negative gaps (torch floors; C truncates), a float
+    remainder that carries a gradient, and a floor-rounded division of positions."""
+    gap = k_side_0 - q_side_0
+    hour = (gap // 3600) % 24 + torch.div(k_pos - q_pos, 3, rounding_mode="floor") % 2
+    return score % 2.5 + table_0[hour] + torch.log2(torch.exp2(score * 0.1) + 1.0)
+
+
+BIASES = ["none", "hstu", "position", "mask", "per_head", "time_per_head", "scalar_tables", "exact_int_gap",
+          "hour_of_gap"]
 
 
 def _setup(bias: str, N: int, H: int, T: int, gen: torch.Generator, dtype=torch.float32):
@@ -75,6 +84,8 @@ def _setup(bias: str, N: int, H: int, T: int, gen: torch.Generator, dtype=torch.
     if bias == "scalar_tables":
         return (S.register_score_mod(scalar_tables), [], [rnd(T)],
                 [torch.tensor(N), rnd(2 * N - 1), torch.rand((), generator=gen, dtype=dtype) + 0.5])
+    if bias == "hour_of_gap":
+        return S.register_score_mod(hour_of_gap), [stamps() * 40], [stamps() * 40], [rnd(25)]
     if bias == "exact_int_gap":  # gaps of exactly 2**24 + 1: float32 would round them to 2**24
         base = torch.randint(0, 2, (T,), generator=gen) * (16_777_217 - 5) + 1_700_000_000
         return S.register_score_mod(exact_int_gap), [base], [base + torch.randint(0, 6, (T,), generator=gen)], []
