@@ -511,10 +511,26 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets:
                      dropout_p: float = 0.0) -> torch.Tensor:
     """See the module docstring. ``seed`` is required (``None`` without dropout): an argument left
     to its default would change the structure autograd expects back from the backward."""
+    note_variant(q, v, q_side, k_side, tables, score_mod=score_mod, activation=activation, causal=causal,
+                 use_qk=use_qk, dropout_p=dropout_p)
     impl = lookup("jagged_attention", q.device.type)
     return impl(q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), seed, score_mod=score_mod,
                 use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
                 max_len=max_len, dropout_p=dropout_p)
+
+
+# (score_mod, activation, causal, use_qk, dropout, dtype, dqk, dv, q_side dtypes, k_side dtypes,
+# table (shape, dtype)s) -> calls: the attention variants this process ran, whatever the kernel
+# (the bench compiles their Triton kernels ahead of time from this)
+SEEN_VARIANTS: dict[tuple, int] = {}
+
+
+def note_variant(q, v, q_side, k_side, tables, *, score_mod: str, activation: str, causal: bool, use_qk: bool,
+                 dropout_p: float) -> None:
+    key = (score_mod, activation, causal, use_qk, dropout_p > 0, q.dtype, int(q.shape[2]), int(v.shape[2]),
+           tuple(t.dtype for t in q_side), tuple(t.dtype for t in k_side),
+           tuple((tuple(int(n) for n in t.shape), t.dtype) for t in tables))
+    SEEN_VARIANTS[key] = SEEN_VARIANTS.get(key, 0) + 1
 
 
 @jagged_attention.register_fake

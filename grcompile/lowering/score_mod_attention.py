@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from . import lookup
+from .attention import note_variant
 from .jagged import dense_to_jagged, jagged_index, jagged_to_dense, padded_positions, valid_to_offsets
 from .score_mod import get_score_mod, register_score_mod  # noqa: F401 (re-exported for passes)
 
@@ -71,6 +72,8 @@ def score_mod_attention(q: Optional[torch.Tensor], k: Optional[torch.Tensor], v:
     expects back from the backward."""
     _check(q, k, v, valid, q_sides, k_sides, normalize)
     index, qj, kj, vj, offsets, positions, qs, ks = _packed(q, k, v, valid, q_sides, k_sides)
+    note_variant(qj, vj, qs, ks, tables, score_mod=score_mod, activation=_ACTIVATION[normalize], causal=causal,
+                 use_qk=q is not None, dropout_p=dropout_p)
     out = lookup("jagged_attention", v.device.type)(qj, kj, vj, offsets, positions, qs, ks, list(tables), seed,
                                                     **_kwargs(q, valid, score_mod, normalize, causal, dropout_p))
     B, N = valid.shape
