@@ -494,9 +494,11 @@ def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side,
 
 
 register_op("jagged_attention", reference=_attention_reference,
-            triton="grcompile.lowering.attention_triton:attention_triton")
+            triton="grcompile.lowering.attention_triton:attention_triton",
+            ascend="grcompile.lowering.attention_ascend:attention_ascend")
 register_op("jagged_attention_backward", reference=_attention_backward_reference,
-            triton="grcompile.lowering.attention_triton:attention_backward_triton")
+            triton="grcompile.lowering.attention_triton:attention_backward_triton",
+            ascend="grcompile.lowering.attention_ascend:attention_backward_ascend")
 
 
 # --------------------------------------------------------------------------------------------
