@@ -42,7 +42,9 @@ for q, k, v and every floating side tensor and table (integer ones get ``None``)
 
 Kernels: ``triton`` (:mod:`.attention_triton`: CUDA, or CPU tensors under ``TRITON_INTERPRET=1``
 with ``GRCOMPILE_BACKEND=triton``) generates the score_mod into the kernel; a call it cannot run
-(a score_mod op it does not know, float64) runs this reference, with a warning. ``ascend`` is empty.
+(a score_mod op it does not know, float64) runs this reference, with a warning. ``ascend``
+(:mod:`.attention_ascend`) maps calls to Ascend RecSDK's ``mxrec.hstu_jagged`` where the math matches (tested
+against stubs only: nothing has run on an NPU).
 """
 from __future__ import annotations
 
