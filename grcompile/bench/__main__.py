@@ -55,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="grcompile's pass pipeline (default: grcompile.passes.default_pipeline(), the jagged one)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--timeout", type=float, default=None, help="seconds per mode before it is killed")
+    p.add_argument("--no-aot", dest="aot", action="store_false",
+                   help="skip compiling, for sm_80 / sm_90, the Triton attention kernels of the variants the "
+                        "grcompile mode ran (their registers, spills and tensor-core use go in the JSON)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a bar chart (PNG) here")
     args = p.parse_args(argv)
@@ -201,6 +204,21 @@ def model_title(config: dict[str, Any]) -> str:
     return config["model"] if config.get("preset") is None else f"{config['model']}/{config['preset']}"
 
 
+def _aot_summary(records: list[dict[str, Any]]) -> str:
+    """One line: per arch, the kernels compiled, their worst registers and spills, tensor cores."""
+    parts = []
+    for arch in sorted({r.get("arch") for r in records if r.get("arch")}):
+        rs = [r for r in records if r.get("arch") == arch]
+        ok = [r for r in rs if r.get("compiled")]
+        parts.append(f"{arch} {len(ok)}/{len(rs)} compiled, max {max((r.get('registers') or 0) for r in ok) if ok else '-'} "
+                     f"registers, {sum((r.get('spill_bytes') or 0) for r in ok)} B spilled, "
+                     f"tensor cores in {sum(bool(r.get('tensor_cores')) for r in ok)}")
+    skipped = [r for r in records if not r.get("arch")]
+    if skipped:
+        parts.append(f"{len(skipped)} variant(s) not compiled: {skipped[0].get('error', '')[:120]}")
+    return "; ".join(parts)
+
+
 def format_table(report: dict[str, Any]) -> str:
     c = report["config"]
     lines = [f"grcompile.bench: {model_title(c)}, max_len {c['max_len']}, batch {c['batch_size']}, "
@@ -227,6 +245,9 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{flops}, "
                      f"device {r0['device']}, torch {r0['torch_version']}, {r0['num_threads']} threads")
     for mode, r in report["results"].items():
+        if r.get("aot"):
+            lines.append(f"  {mode} Triton kernels, compiled ahead of time: " + _aot_summary(r["aot"]))
+    for mode, r in report["results"].items():
         if "error" in r:
             lines.append(f"  {mode}: FAILED")
         else:
@@ -241,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                   steps=args.steps, warmup=args.warmup, seed=args.seed, threads=args.threads,
                   num_users=args.num_users, num_items=args.num_items, num_negatives=args.num_negatives,
                   dropout=args.dropout, pipeline=args.pipeline, device=args.device, dataset="synthetic",
-                  model_spec=args.model_spec)
+                  model_spec=args.model_spec, aot=args.aot)
     if args.model_spec is not None:  # the user's make_batch makes the data; these do not apply
         config.update(num_users=None, num_negatives=None, dataset=f"{args.model_spec} make_batch")
     results: dict[str, dict[str, Any]] = {}

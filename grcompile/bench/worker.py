@@ -29,7 +29,7 @@ from typing import Any
 DEFAULTS: dict[str, Any] = dict(model="hstu", preset="small", max_len=1024, batch_size=32, steps=5, warmup=2,
                                 seed=0, threads=None, num_users=None, num_items=None, num_negatives=128,
                                 dropout=None, lr=1e-3, temperature=0.05, device="cpu", mode="eager",
-                                result_path=None)
+                                result_path=None, aot=True)
 
 
 def log(msg: str) -> None:
@@ -223,6 +223,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         mean_flops = breakdown["total"]
     rss_peak = peak_rss_mb()
     cuda_peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
+    aot = _aot_figures() if mode == "grcompile" and cfg.get("aot") else None
 
     return {
         "mode": mode,
@@ -249,8 +250,24 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "device": str(device) if not cuda else f"{device} ({torch.cuda.get_device_name(device)})",
         "torch_version": torch.__version__,
         "num_threads": torch.get_num_threads(),
+        "aot": aot,
         **workload.fields,
     }
+
+
+def _aot_figures() -> list[dict[str, Any]] | None:
+    """The Triton attention kernels of the variants this run used, compiled for sm_80 / sm_90
+    (after the timed steps: not part of any timing). Never fails the benchmark."""
+    from grcompile.lowering.attention import SEEN_VARIANTS
+    from grcompile.lowering.attention_aot_spec import compile_seen
+
+    if not SEEN_VARIANTS:
+        return None
+    log(f"[bench.worker] compiling the Triton kernels of {len(SEEN_VARIANTS)} attention variant(s) for sm_80/sm_90")
+    try:
+        return compile_seen(dict(SEEN_VARIANTS))
+    except Exception as error:  # noqa: BLE001 - figures, not the benchmark
+        return [{"kernel": "jagged_attention", "compiled": False, "error": f"{type(error).__name__}: {error}"}]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -612,10 +612,12 @@ def _kernel_signature(fn, q_dtype: torch.dtype, q_sides, k_sides, tables) -> dic
     side = {**{f"QS{i}": elem[t.dtype] for i, t in enumerate(q_sides)},
             **{f"KS{i}": elem[t.dtype] for i, t in enumerate(k_sides)},
             **{f"tab{i}": elem[t.dtype] for i, t in enumerate(tables)}}
+    import inspect
+
     signature = {}
-    for param in fn.params:
-        name = param.name
-        if param.is_constexpr:
+    # the Python signature, not fn.params: under TRITON_INTERPRET the kernel is an InterpretedFunction
+    for name, param in inspect.signature(getattr(fn, "fn", fn)).parameters.items():
+        if "constexpr" in str(param.annotation):
             signature[name] = "constexpr"
         elif name in ("Q", "K", "V", "O", "DO", "DK", "DV_OUT", "DQ"):
             signature[name] = "*" + _TL[q_dtype]

@@ -73,6 +73,13 @@ def test_cli_smoke(tmp_path: Path) -> None:
     assert "pass" in grc["description"] and "grcompile" in proc.stdout
     assert grc["description"] in proc.stdout
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the Triton kernels of the attention the grcompile mode ran, compiled for both archs
+    assert eager["aot"] is None
+    compiled = {(r["kernel"], r["arch"]) for r in grc["aot"] if r["compiled"]}
+    assert {("jagged_attention_fwd", "sm_80"), ("jagged_attention_fwd", "sm_90"),
+            ("jagged_attention_bwd_kv", "sm_90")} <= compiled, grc["aot"]
+    assert all(isinstance(r["registers"], int) and r["registers"] > 0 for r in grc["aot"] if r["compiled"])
+    assert "Triton kernels, compiled ahead of time: sm_80" in proc.stdout
 
 
 def test_failing_mode_is_recorded() -> None:
@@ -94,7 +101,7 @@ def test_cli_user_model(tmp_path: Path) -> None:
     spec = "examples/sasrec_mha.py:factory"
     out_json, out_png = tmp_path / "u.json", tmp_path / "u.png"
     cmd = [sys.executable, "-m", "grcompile.bench", "--model", spec, "--max-len", "8", "--batch-size", "4",
-           "--steps", "1", "--warmup", "0", "--modes", "eager,grcompile", "--seed", "3",
+           "--steps", "1", "--warmup", "0", "--modes", "eager,grcompile", "--seed", "3", "--no-aot",
            "--json", str(out_json), "--plot", str(out_png)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -113,6 +120,7 @@ def test_cli_user_model(tmp_path: Path) -> None:
         assert r["tflops"] is None and r["flops_per_step"] is None
         assert r["model_config"]["module"] == "SASRecMHA" and r["model_config"]["factory_kwargs"] == {"max_len": 8}
     assert grc["first_loss"] == pytest.approx(eager["first_loss"], rel=1e-5)  # same batch and weights
+    assert grc["aot"] is None and report["config"]["aot"] is False  # --no-aot
     assert set(report["ratios"]["grcompile"]) == {"speedup_vs_eager", "mem_vs_eager"}
     assert f"grcompile.bench: {spec}, max_len 8" in proc.stdout and "not counted (user model)" in proc.stdout
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
