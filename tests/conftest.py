@@ -12,7 +12,7 @@ if _worker and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 # The attention chunk runs eagerly in tests unless a test turns the inductor-compiled chunk on
-# (tests/lowering/test_compiled_chunks.py does, over every kind of option set and varied shapes):
+# (test_compiled_chunks_match_* in tests/lowering/test_jagged_ops.py do, on varied shapes):
 # the two compute the same values, and compiling each option set (forward, backward) in every test
 # process would add many minutes to the suite. Benchmarks, the demo and users get the compiled one.
 os.environ.setdefault("GRCOMPILE_COMPILE_CHUNKS", "0")

@@ -32,9 +32,9 @@ def _fresh_dynamo(request, monkeypatch):
     if request.node.get_closest_marker("slow") is None:
         # the attention op's CPU chunks run eagerly: compiling them again after each reset would
         # dominate the default run, and they are not what these tests count (backend compiles)
-        import grcompile.lowering.attention as attention
+        from grcompile.lowering.attention import chunks
 
-        monkeypatch.setattr(attention, "COMPILE_CHUNKS", False)
+        monkeypatch.setattr(chunks, "COMPILE_CHUNKS", False)
     yield
     torch._dynamo.reset()
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import grcompile.lowering as lowering
 from grcompile.lowering import attention as attention_mod
+from grcompile.lowering.attention import buckets, chunks
 from grcompile.lowering import jagged as J
 from grcompile.lowering.score_mod import (get_score_mod, hstu_rab_key, register_score_mod,
                                           relative_position_bias_key)
@@ -45,7 +46,7 @@ class Case:
     timestamps: torch.Tensor  # [B, N] int64, 0 at padding
     position_bias: RelativePositionBias
     time_bias: RelativeTimeBias
-    plan: dict  # attention-module knobs (bucketing / chunking) to run under
+    plan: dict  # attention knobs (bucketing / chunking, see KNOBS) to run under
     causal: bool = True
 
     @property
@@ -69,16 +70,21 @@ PLANS = [
 ]
 
 
+# knob -> the module whose global it is (read at call time)
+KNOBS = {"BUCKET_WASTE": buckets, "BUCKET_SLACK_PAIRS": buckets, "CHUNK_ELEMENTS": buckets, "MIN_Q_BLOCK": buckets,
+         "COMPILE_CHUNKS": chunks}
+
+
 @contextlib.contextmanager
 def plan(knobs: dict):
-    old = {name: getattr(attention_mod, name) for name in knobs}
+    old = {name: getattr(KNOBS[name], name) for name in knobs}
     try:
         for name, value in knobs.items():
-            setattr(attention_mod, name, value)
+            setattr(KNOBS[name], name, value)
         yield
     finally:
         for name, value in old.items():
-            setattr(attention_mod, name, value)
+            setattr(KNOBS[name], name, value)
 
 
 @st.composite
@@ -282,7 +288,7 @@ def _compiled_chunk_entries() -> dict[tuple, int]:
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     entries = {}
-    for key, kernel in attention_mod._COMPILED_CHUNKS.items():
+    for key, kernel in chunks._COMPILED_CHUNKS.items():
         assert not kernel.failed, f"the compiled chunk for {key} fell back to eager"
         entries[key] = len(_debug_get_cache_entry_list(kernel.compiled._torchdynamo_orig_callable))
     return entries
@@ -362,17 +368,6 @@ def test_attention_dropout_equals_dense_with_the_same_mask(c: Case, p: float, se
             scores = scores.masked_fill(~mask_of(c).unsqueeze(1), MASKED_SCORE)
             return torch.matmul(torch.softmax(scores, dim=-1) * drop, v).transpose(1, 2)
     check_against_dense(c, jagged_fn, dense_fn, tables=model == "hstu")
-
-
-def test_dropout_mask_rate_and_independence() -> None:
-    """keep ≈ Bernoulli(1 − p): the rate, and no correlation between neighbours, seeds or heads."""
-    tok = torch.arange(300)[None]
-    a = attention_mod.dropout_keep(torch.tensor([1]), tok, tok, 2, 0.3).float()
-    b = attention_mod.dropout_keep(torch.tensor([2]), tok, tok, 2, 0.3).float()
-    assert abs(a.mean().item() - 0.7) < 0.005  # 180k draws: sd 0.001
-    for x, y in [(a, b), (a[:, 0], a[:, 1]), (a[..., 1:], a[..., :-1]), (a[..., 1:, :], a[..., :-1, :])]:
-        assert abs((x * y).mean().item() - 0.49) < 0.006, "correlated dropout decisions"
-    assert attention_mod.dropout_keep(torch.tensor([1]), tok, tok, 2, 0.0).all()
 
 
 def test_long_rows_with_query_tiling_match() -> None:
@@ -715,18 +710,3 @@ def test_op_registry_lookup() -> None:
         assert lowering.lookup("test_dummy", "npu") is ref
     finally:
         del lowering.OPS["test_dummy"]
-
-
-@given(st.lists(st.integers(0, 300), min_size=0, max_size=40), st.sampled_from([0.0, 0.125, 0.5]),
-       st.sampled_from([0, 100, 8192]))
-@SETTINGS
-def test_plan_buckets_waste_bound(lengths, waste, slack) -> None:
-    buckets = attention_mod.plan_buckets(lengths, waste, slack)
-    rows = sorted(r for bucket in buckets for r in bucket)
-    assert rows == [i for i, n in enumerate(lengths) if n > 0]
-    for bucket in buckets:
-        M = lengths[bucket[0]]
-        assert all(lengths[r] <= M for r in bucket)
-        area = len(bucket) * M * M
-        padded = area - sum(lengths[r] ** 2 for r in bucket)
-        assert padded <= max(waste * area, slack)

@@ -1,0 +1,182 @@
+"""The ``grcompile::jagged_attention`` op: its schema, fake implementation and autograd formula,
+the registration of its reference and kernel slots, the record of the variants it ran, and the
+named wrappers of the three models (see the package docstring for the math)."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .. import lookup, register_op
+from ..score_mod import hstu_rab_key, relative_position_bias_key, relative_time_bias_key
+from .reference import _attention_backward_reference, _attention_reference, _grad_placeholder
+from .validation import _check_dropout, _check_meta
+
+register_op("jagged_attention", reference=_attention_reference,
+            triton="grcompile.lowering.attention_triton:attention_triton",
+            ascend="grcompile.lowering.attention_ascend:attention_ascend")
+register_op("jagged_attention_backward", reference=_attention_backward_reference,
+            triton="grcompile.lowering.attention_triton:attention_backward_triton",
+            ascend="grcompile.lowering.attention_ascend:attention_backward_ascend")
+
+
+# --------------------------------------------------------------------------------------------
+# the custom ops
+
+
+@torch.library.custom_op("grcompile::jagged_attention", mutates_args=())
+def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                     positions: torch.Tensor, q_side: list[torch.Tensor], k_side: list[torch.Tensor],
+                     tables: list[torch.Tensor], seed: Optional[torch.Tensor], *, score_mod: str,
+                     use_qk: bool, activation: str, scale: float, out_scale: float, causal: bool, max_len: int,
+                     dropout_p: float = 0.0) -> torch.Tensor:
+    """See the module docstring. ``seed`` is required (``None`` without dropout): an argument left
+    to its default would change the structure autograd expects back from the backward."""
+    note_variant(q, v, q_side, k_side, tables, score_mod=score_mod, activation=activation, causal=causal,
+                 use_qk=use_qk, dropout_p=dropout_p)
+    impl = lookup("jagged_attention", q.device.type)
+    return impl(q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), seed, score_mod=score_mod,
+                use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
+                max_len=max_len, dropout_p=dropout_p)
+
+
+# (score_mod, activation, causal, use_qk, dropout, dtype, dqk, dv, q_side dtypes, k_side dtypes,
+# table (shape, dtype)s) -> calls: the attention variants this process ran, whatever the kernel
+# (the bench compiles their Triton kernels ahead of time from this)
+SEEN_VARIANTS: dict[tuple, int] = {}
+
+
+def note_variant(q, v, q_side, k_side, tables, *, score_mod: str, activation: str, causal: bool, use_qk: bool,
+                 dropout_p: float) -> None:
+    key = (score_mod, activation, causal, use_qk, dropout_p > 0, q.dtype, int(q.shape[2]), int(v.shape[2]),
+           tuple(t.dtype for t in q_side), tuple(t.dtype for t in k_side),
+           tuple((tuple(int(n) for n in t.shape), t.dtype) for t in tables))
+    SEEN_VARIANTS[key] = SEEN_VARIANTS.get(key, 0) + 1
+
+
+@jagged_attention.register_fake
+def _(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score_mod, use_qk, activation, scale,
+      out_scale, causal, max_len, dropout_p=0.0):
+    _check_meta(q, k, v, offsets, positions, q_side, k_side, tables, score_mod, activation, max_len)
+    _check_dropout(seed, dropout_p, q.device)
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+
+
+@torch.library.custom_op("grcompile::jagged_attention_backward", mutates_args=())
+def jagged_attention_backward(
+        grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+        positions: torch.Tensor, q_side: list[torch.Tensor], k_side: list[torch.Tensor],
+        tables: list[torch.Tensor], seed: Optional[torch.Tensor] = None, *, score_mod: str, use_qk: bool,
+        activation: str, scale: float, out_scale: float, causal: bool, max_len: int, dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Gradients of ``jagged_attention`` by recomputation (the dropout mask is recomputed from
+    ``seed``); integer side tensors / tables get an empty float placeholder (the autograd wrapper
+    turns it into ``None``)."""
+    impl = lookup("jagged_attention_backward", q.device.type)
+    return impl(grad_out, q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), seed,
+                score_mod=score_mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale,
+                causal=causal, max_len=max_len, dropout_p=dropout_p)
+
+
+@jagged_attention_backward.register_fake
+def _(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed=None, *, score_mod, use_qk, activation,
+      scale, out_scale, causal, max_len, dropout_p=0.0):
+    def like(ts):
+        return [torch.empty_like(t) if t.is_floating_point() else _grad_placeholder(t) for t in ts]
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), like(q_side), like(k_side), like(tables)
+
+
+_KWARGS = ("score_mod", "use_qk", "activation", "scale", "out_scale", "causal", "max_len", "dropout_p")
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    q, k, v, offsets, positions, q_side, k_side, tables, seed = inputs
+    ctx.n_q_side, ctx.n_k_side = len(q_side), len(k_side)
+    ctx.has_seed = seed is not None
+    ctx.save_for_backward(q, k, v, offsets, positions, *q_side, *k_side, *tables, *([seed] if ctx.has_seed else []))
+    ctx.kwargs = {name: keyword_only_inputs[name] for name in _KWARGS}
+    ctx.floating = [t.is_floating_point() for t in (*q_side, *k_side, *tables)]
+
+
+def _backward(ctx, grad_out):
+    q, k, v, offsets, positions, *rest = ctx.saved_tensors
+    seed = rest.pop() if ctx.has_seed else None
+    q_side, k_side = rest[:ctx.n_q_side], rest[ctx.n_q_side:ctx.n_q_side + ctx.n_k_side]
+    tables = rest[ctx.n_q_side + ctx.n_k_side:]
+    dq, dk, dv, d_qs, d_ks, d_tables = torch.ops.grcompile.jagged_attention_backward(
+        grad_out.contiguous(), q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), seed,
+        **ctx.kwargs)
+    flags = iter(ctx.floating)
+    d_qs = [g if next(flags) else None for g in d_qs]
+    d_ks = [g if next(flags) else None for g in d_ks]
+    d_tables = [g if next(flags) else None for g in d_tables]
+    return dq, dk, dv, None, None, d_qs, d_ks, d_tables, None
+
+
+jagged_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# named wrappers for the three models
+
+
+def hstu_attention(q, k, v, offsets, positions, *, N: int, query_timestamps=None, timestamps=None,
+                   position_table=None, time_table=None, table_max_len: Optional[int] = None,
+                   num_buckets: int = 128, causal: bool = True, dropout_p: float = 0.0,
+                   seed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """HSTU: ``silu(q·kᵀ + rab) / N`` under the causal mask, ``rab`` = relative position table
+    (``[2·table_max_len − 1]``) + log time-bucket table (``[num_buckets + 1]``, query side
+    ``query_timestamps`` = the next valid timestamp, key side ``timestamps``), either optional;
+    ``dropout_p`` > 0 drops attention weights with the mask hashed from ``seed``."""
+    table_max_len = N if table_max_len is None else table_max_len
+    tables, q_side, k_side = [], [], []
+    if time_table is not None:
+        q_side, k_side = [query_timestamps], [timestamps]
+    if position_table is not None and time_table is not None:
+        key, tables = hstu_rab_key(table_max_len, num_buckets), [position_table, time_table]
+    elif position_table is not None:
+        key, tables = relative_position_bias_key(table_max_len), [position_table]
+    elif time_table is not None:
+        key, tables = relative_time_bias_key(num_buckets), [time_table]
+    else:
+        key = ""
+    return torch.ops.grcompile.jagged_attention(
+        q, k, v, offsets, positions, q_side, k_side, tables, seed, score_mod=key, use_qk=True, activation="silu",
+        scale=1.0, out_scale=1.0 / N, causal=causal, max_len=N, dropout_p=dropout_p)
+
+
+def fuxi_attention(q, k, v, offsets, positions, *, N: int, query_timestamps, timestamps, position_table,
+                   time_table, table_max_len: Optional[int] = None, num_buckets: int = 128,
+                   causal: bool = True) -> torch.Tensor:
+    """FuXi-α's three channels ``[positional, temporal, semantic]`` concatenated on the last dim:
+    ``pos_table[j − i] @ v``, ``time_table[bucket] @ v``, ``silu(q·kᵀ)/N @ v``, all causal."""
+    table_max_len = N if table_max_len is None else table_max_len
+    common = dict(causal=causal, max_len=N)
+    positional = torch.ops.grcompile.jagged_attention(
+        q, k, v, offsets, positions, [], [], [position_table], None,
+        score_mod=relative_position_bias_key(table_max_len),
+        use_qk=False, activation="identity", scale=1.0, out_scale=1.0, **common)
+    temporal = torch.ops.grcompile.jagged_attention(
+        q, k, v, offsets, positions, [query_timestamps], [timestamps], [time_table], None,
+        score_mod=relative_time_bias_key(num_buckets), use_qk=False, activation="identity", scale=1.0,
+        out_scale=1.0, **common)
+    semantic = torch.ops.grcompile.jagged_attention(
+        q, k, v, offsets, positions, [], [], [], None, score_mod="", use_qk=True, activation="silu", scale=1.0,
+        out_scale=1.0 / N, **common)
+    return torch.cat([positional, temporal, semantic], dim=-1)
+
+
+def jagged_softmax_attention(q, k, v, offsets, positions, *, N: int, scale: Optional[float] = None,
+                             causal: bool = True, dropout_p: float = 0.0,
+                             seed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SASRec: ``softmax(q·kᵀ · scale)`` over the allowed keys, ``scale`` = 1/sqrt(dqk) by default;
+    ``dropout_p`` > 0 drops attention weights after the softmax (mask hashed from ``seed``)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return torch.ops.grcompile.jagged_attention(
+        q, k, v, offsets, positions, [], [], [], seed, score_mod="", use_qk=True, activation="softmax",
+        scale=scale, out_scale=1.0, causal=causal, max_len=N, dropout_p=dropout_p)
+
+
+__all__ = ["jagged_attention", "jagged_attention_backward", "hstu_attention", "fuxi_attention",
+           "jagged_softmax_attention", "note_variant", "SEEN_VARIANTS"]
