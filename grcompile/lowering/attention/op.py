@@ -33,12 +33,15 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets:
                      dropout_p: float = 0.0) -> torch.Tensor:
     """See the module docstring. ``seed`` is required (``None`` without dropout): an argument left
     to its default would change the structure autograd expects back from the backward."""
+    impl = lookup("jagged_attention", q.device.type)
+    out = impl(q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), seed, score_mod=score_mod,
+               use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
+               max_len=max_len, dropout_p=dropout_p)
+    # after the call, whose checks reject malformed arguments with a ValueError (recording first
+    # read q.shape[2] of a rank-2 q: an IndexError instead)
     note_variant(q, v, q_side, k_side, tables, score_mod=score_mod, activation=activation, causal=causal,
                  use_qk=use_qk, dropout_p=dropout_p)
-    impl = lookup("jagged_attention", q.device.type)
-    return impl(q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), seed, score_mod=score_mod,
-                use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
-                max_len=max_len, dropout_p=dropout_p)
+    return out
 
 
 # (score_mod, activation, causal, use_qk, dropout, dtype, dqk, dv, q_side dtypes, k_side dtypes,
