@@ -167,6 +167,7 @@ from .score_mod import get_score_mod, register_score_mod  # noqa: E402,F401
 from .attention import (  # noqa: E402,F401
     fuxi_attention, hstu_attention, jagged_attention, jagged_softmax_attention)
 from .norm import gated_norm  # noqa: E402,F401
+from . import score_mod_attention  # noqa: E402,F401 (declares its meaning to the passes: semantics.py)
 
 __all__ = ["OPS", "OpEntry", "BACKENDS", "register_op", "lookup", "use_backend", "preferred_backend",
            "note_fallback", "kernel_usage", "kernel_fallbacks", "set_backend",

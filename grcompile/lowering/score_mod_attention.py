@@ -24,6 +24,7 @@ from . import lookup
 from .attention import note_variant
 from .jagged import dense_to_jagged, jagged_index, jagged_to_dense, padded_positions, valid_to_offsets
 from .score_mod import get_score_mod, register_score_mod  # noqa: F401 (re-exported for passes)
+from .semantics import declare
 
 _ACTIVATION = {"none": "identity", "softmax": "softmax"}
 
@@ -137,3 +138,4 @@ def _backward(ctx, grad):
 
 
 score_mod_attention.register_autograd(_backward, setup_context=_setup_context)
+declare("fused_attention", torch.ops.grcompile.score_mod_attention.default)

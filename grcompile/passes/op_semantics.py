@@ -2,7 +2,8 @@
 
 Dynamo records ``x != 0`` as ``operator.ne``, ``torch.ne`` as a function, ``x.ne(0)`` as a
 method, ``F.linear`` as ``torch._C._nn.linear``… Passes match on ``canonical(node)`` and read the
-node's arguments through ``arg(node, i, name)``, so one rule covers every spelling.
+node's arguments through ``arg(node, i, name)``, so one rule covers every spelling. grcompile's own
+ops declare their canonical name where they register (``grcompile.lowering.semantics``).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..lowering.semantics import declared
 from .symbolic import static_int
 
 _FUNCTIONS: dict[Any, str] = {}
@@ -25,12 +27,6 @@ def _register(name: str, *targets: Any, methods: tuple[str, ...] = ()) -> None:
         _FUNCTIONS[t] = name
     for m in methods:
         _METHODS[m] = name
-
-
-def register_embedding_like(*targets: Any) -> None:
-    """Ops called as ``op(ids, ...) -> [*ids.shape, D]``, row-wise in the ids (the sparse runtime's
-    lookup): layout and the jagged rewrite treat them as ``F.embedding``."""
-    _register("embedding", *targets)
 
 
 # comparisons and logic
@@ -101,20 +97,11 @@ _register("factory", torch.ones, torch.zeros, torch.full, torch.empty, torch.one
 _register("arange", torch.arange)
 
 
-def _register_grcompile_ops() -> None:
-    # ops our own passes emit, so later passes see them with a canonical name too
-    from ..lowering import score_mod_attention  # noqa: F401 (registers the op)
-    _register("fused_attention", torch.ops.grcompile.score_mod_attention.default)
-
-
-_register_grcompile_ops()
-
-
 def canonical(node: fx.Node) -> str | None:
     """Canonical op name of ``node`` or ``None`` (placeholders, outputs, unknown ops)."""
     if node.op == "call_function":
         try:
-            return _FUNCTIONS.get(node.target)
+            return _FUNCTIONS.get(node.target) or declared(node.target)
         except TypeError:  # unhashable target
             return None
     if node.op == "call_method":

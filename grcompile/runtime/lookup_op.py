@@ -2,8 +2,8 @@
 
 The sparse part (id all-to-all, sharded table lookup, embedding all-to-all, fused optimizer
 update in the backward) runs in the runtime, outside any compiled graph, yet the model stays
-one graph: Dynamo records this op like ``F.embedding`` (ids first; ``op_semantics`` knows it as
-an embedding), so ``detect_padding`` still sees ``ids != pad`` beside the attention and
+one graph: Dynamo records this op like ``F.embedding`` (ids first; it declares itself an
+embedding to the passes, ``grcompile.lowering.semantics``), so ``detect_padding`` still sees ``ids != pad`` beside the attention and
 ``jagged_rewrite`` packs the ids *before* the op — the lookup then receives only valid ids
 (TurboGR's jagged lookup) and returns ``[T, D]``.
 
@@ -23,7 +23,7 @@ from typing import Iterator
 
 import torch
 
-from ..passes.op_semantics import register_embedding_like
+from ..lowering.semantics import declare
 
 # Weak: a runtime lives as long as the model whose SparseFeatures hold it. A strong registry kept
 # TorchRec modules (and their process-group work objects) alive into interpreter teardown, where
@@ -96,6 +96,6 @@ def _backward(ctx, grad):
 
 
 sparse_lookup.register_autograd(_backward, setup_context=_setup_context)
-register_embedding_like(torch.ops.grcompile.sparse_lookup.default, torch.ops.grcompile.sparse_lookup)
+declare("embedding", torch.ops.grcompile.sparse_lookup.default, torch.ops.grcompile.sparse_lookup)
 
 __all__ = ["register_runtime", "runtime_of", "sparse_lookup"]
