@@ -124,3 +124,21 @@ def test_cli_user_model(tmp_path: Path) -> None:
     assert set(report["ratios"]["grcompile"]) == {"speedup_vs_eager", "mem_vs_eager"}
     assert f"grcompile.bench: {spec}, max_len 8" in proc.stdout and "not counted (user model)" in proc.stdout
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_attention_kernel_timer_runs_in_the_interpreter(tmp_path: Path) -> None:
+    """The GPU measurement's command, as a smoke test: on CPU it is the interpreter, so no MFU."""
+    import os
+
+    from grcompile.bench import attention_kernel
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py)")
+    out = tmp_path / "a.json"
+    assert attention_kernel.main(["--tokens", "40", "--heads", "2", "--head-dim", "16", "--iters", "1",
+                                  "--warmup", "0", "--device", "cpu", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["interpreter"] is True and r["peak_tflops"] is None
+    for name in ("fwd", "bwd"):
+        assert r[name]["ms"] > 0 and r[name]["mfu"] is None and r[name]["useful_tflop"] > 0
+    assert r["bwd"]["useful_tflop"] == pytest.approx(2.5 * r["fwd"]["useful_tflop"])

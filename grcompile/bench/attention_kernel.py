@@ -1,0 +1,152 @@
+"""Time the Triton attention kernels alone: forward and backward TF/s and MFU at a given row length.
+
+    python -m grcompile.bench.attention_kernel --tokens 8192 --heads 4 --head-dim 128 --dtype bf16 \\
+        --bias hstu --activation silu --json attn.json
+
+On a CUDA device this is the measurement the issue's H100 targets name (fused attention with the
+HSTU relative attention bias, bf16, 8K tokens per row): CUDA events around each kernel call, the
+FLOPs of :func:`grcompile.lowering.aot.attention_cost` (the two / five useful matmuls; the
+backward also reruns the forward for the softmax's log-sum-exp, counted in its time, not in its
+FLOPs), the MFU against the device's dense bf16 peak. On CPU it runs the same kernels in Triton's
+interpreter (set ``TRITON_INTERPRET=1``) at whatever size you ask — a smoke test, **not a speed**:
+the JSON says ``"interpreter": true`` and no MFU is computed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+
+# dense bf16 tensor-core peaks (FLOP/s) by device name fragment; an unknown GPU gets no MFU
+PEAKS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _peak(device: torch.device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAKS.items() if k in name), None)
+
+
+def _inputs(args, device: torch.device) -> tuple[tuple, dict]:
+    from grcompile.lowering.score_mod import hstu_rab_key, relative_position_bias_key
+
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    N, B, H = args.tokens, args.rows, args.heads
+    T = N * B
+    dtype = DTYPES[args.dtype]
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+    q, k, v = rnd(T, H, args.head_dim, scale=0.3), rnd(T, H, args.head_dim, scale=0.3), rnd(T, H, args.head_dim)
+    offsets = torch.arange(0, T + 1, N, dtype=torch.int64, device=device)
+    positions = torch.arange(N, dtype=torch.int64).repeat(B).to(device)
+    q_side, k_side, tables, key = [], [], [], ""
+    if args.bias in ("hstu", "position"):
+        position_table = (torch.randn(2 * N - 1, generator=gen) * 0.1).to(device)
+        if args.bias == "hstu":
+            stamps = torch.cumsum(torch.randint(1, 600, (T,), generator=gen), 0).to(device)
+            q_side, k_side = [stamps], [stamps]
+            tables = [position_table, (torch.randn(129, generator=gen) * 0.1).to(device)]
+            key = hstu_rab_key(N, 128)
+        else:
+            tables, key = [position_table], relative_position_bias_key(N)
+    seed = torch.tensor([args.seed], dtype=torch.int64, device=device) if args.dropout else None
+    kwargs = dict(score_mod=key, use_qk=True, activation=args.activation,
+                  scale=1.0 if args.activation == "silu" else args.head_dim ** -0.5,
+                  out_scale=1.0 / N if args.activation == "silu" else 1.0, causal=True, max_len=N,
+                  dropout_p=args.dropout)
+    return (q, k, v, offsets, positions, q_side, k_side, tables, seed), kwargs
+
+
+def _time(fn, iters: int, warmup: int, device: torch.device) -> float:
+    """Median seconds of ``fn()``."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def run(args) -> dict[str, Any]:
+    from grcompile.lowering.aot import attention_cost
+    from grcompile.lowering.attention_triton import attention_backward_triton, attention_triton
+
+    device = torch.device(args.device)
+    interpreting = device.type == "cpu"
+    if interpreting and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("on CPU the Triton kernels run only in the interpreter: set TRITON_INTERPRET=1 "
+                         "(a smoke test, not a speed)")
+    inputs, kwargs = _inputs(args, device)
+    out = attention_triton(*inputs, **kwargs)
+    grad = torch.randn_like(out)
+    fwd_s = _time(lambda: attention_triton(*inputs, **kwargs), args.iters, args.warmup, device)
+    bwd_s = _time(lambda: attention_backward_triton(grad, *inputs, **kwargs), args.iters, args.warmup, device)
+    cost = attention_cost(args.tokens, args.heads, args.head_dim, args.head_dim, causal=True,
+                          dtype_bytes=out.element_size())
+    rows = args.rows
+    peak = None if interpreting else _peak(device)
+    result: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "json"},
+                              "device": str(device) if interpreting else torch.cuda.get_device_name(device),
+                              "interpreter": interpreting, "date": time.strftime("%Y-%m-%d"),
+                              "torch": torch.__version__}
+    for name, seconds in (("fwd", fwd_s), ("bwd", bwd_s)):
+        flops = cost[name]["flops"] * rows
+        tflops = flops / seconds / 1e12
+        result[name] = {"ms": seconds * 1e3, "useful_tflop": flops / 1e12, "tflops": tflops,
+                        "mfu": None if peak is None else flops / seconds / peak}
+    result["peak_tflops"] = None if peak is None else peak / 1e12
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m grcompile.bench.attention_kernel", description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per row (every row full)")
+    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--bias", choices=("none", "position", "hstu"), default="hstu")
+    p.add_argument("--activation", choices=("silu", "softmax"), default="silu")
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    result = run(args)
+    what = "interpreter (not a speed)" if result["interpreter"] else result["device"]
+    print(f"grcompile attention kernels, {args.rows} x {args.tokens} tokens, {args.heads} heads x {args.head_dim}, "
+          f"{args.dtype}, bias {args.bias}, {args.activation}, on {what}")
+    for name in ("fwd", "bwd"):
+        r = result[name]
+        mfu = "" if r["mfu"] is None else f", MFU {r['mfu']:.1%}"
+        print(f"  {name}: {r['ms']:.3f} ms, {r['tflops']:.2f} TFLOP/s useful{mfu}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
