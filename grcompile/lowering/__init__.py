@@ -17,8 +17,13 @@ Triton kernels on CPU tensors, which needs ``TRITON_INTERPRET=1`` set before Tri
 use (``import torch`` itself imports the Triton package when it is installed, to probe it, so
 set ``TRITON_INTERPRET=1`` before importing torch).
 
-Ops (``torch.ops.grcompile.*``): ``jagged_attention`` (+ its ``jagged_attention_backward``),
-``gated_norm`` (+ ``gated_norm_backward``, used by the Triton backend). Helpers: :mod:`.jagged` (packing), :mod:`.score_mod` (bias registry).
+Importing this package registers every op (``torch.ops.grcompile.*``): ``jagged_attention`` (+ its
+``jagged_attention_backward``), ``gated_norm`` (+ ``gated_norm_backward``, used by the Triton
+backend), ``score_mod_attention`` (+ backward), ``pack_index``, ``check_index``,
+``check_unchanged``; ops declare what they mean to the passes in :mod:`.semantics`. Each module
+exports the overload the passes emit by name (``JAGGED_ATTENTION``, ``PACK_INDEX``, ...). Helpers:
+:mod:`.jagged` (packing), :mod:`.score_mod` (bias registry). This layer imports no other part of
+grcompile (docs/DESIGN.md, "Layers").
 """
 from __future__ import annotations
 
@@ -167,7 +172,7 @@ from .score_mod import get_score_mod, register_score_mod  # noqa: E402,F401
 from .attention import (  # noqa: E402,F401
     fuxi_attention, hstu_attention, jagged_attention, jagged_softmax_attention)
 from .norm import gated_norm  # noqa: E402,F401
-from . import score_mod_attention  # noqa: E402,F401 (declares its meaning to the passes: semantics.py)
+from . import checks, constant_check, pack, score_mod_attention  # noqa: E402,F401
 
 __all__ = ["OPS", "OpEntry", "BACKENDS", "register_op", "lookup", "use_backend", "preferred_backend",
            "note_fallback", "kernel_usage", "kernel_fallbacks", "set_backend",

@@ -154,5 +154,6 @@ def _backward(ctx, grad):
 
 
 gated_norm.register_autograd(_backward, setup_context=_setup_context)
+GATED_NORM = torch.ops.grcompile.gated_norm.default  # what fuse_norm_gate emits
 
-__all__ = ["gated_norm", "gated_norm_backward", "gated_norm_backward_op", "KINDS"]
+__all__ = ["gated_norm", "gated_norm_backward", "gated_norm_backward_op", "KINDS", "GATED_NORM"]

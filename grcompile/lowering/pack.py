@@ -27,3 +27,8 @@ def _(valid):
         T = ctx.new_dynamic_size()
         torch._check(T <= n)
     return valid.new_empty(T, dtype=torch.int64)
+
+
+PACK_INDEX = torch.ops.grcompile.pack_index.default  # what the jagged rewrite emits
+
+__all__ = ["pack_index", "PACK_INDEX"]

@@ -138,4 +138,5 @@ def _backward(ctx, grad):
 
 
 score_mod_attention.register_autograd(_backward, setup_context=_setup_context)
-declare("fused_attention", torch.ops.grcompile.score_mod_attention.default)
+SCORE_MOD_ATTENTION = torch.ops.grcompile.score_mod_attention.default  # what fuse_attention emits
+declare("fused_attention", SCORE_MOD_ATTENTION)

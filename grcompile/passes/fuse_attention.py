@@ -30,7 +30,7 @@ import torch.fx as fx
 from ..capture.pass_manager import GraphPass, PassContext, node_site
 from ..lowering.constant_check import CHECK_UNCHANGED, digest
 from ..lowering.score_mod import register_score_mod
-from ..lowering.score_mod_attention import score_mod_attention  # noqa: F401 (registers the op)
+from ..lowering.score_mod_attention import SCORE_MOD_ATTENTION
 from .attention_capture import TableView, Unsupported, capture, is_size_scalar, prove
 from .decompose_attention import expand_library_attention, functionalise_masked_fill, restore, unbind_as_chunks
 from .detect_padding import PADDING, analyse
@@ -237,7 +237,7 @@ class FuseAttention(GraphPass):
                 device = getattr(v.meta.get("example_value"), "device", None)
                 seed = g.call_function(torch.randint, (0, 2**31 - 1, (1,)), {"dtype": torch.int64, "device": device})
             tables = [_table_input(gm, t, view, example(v).device) for t, view in zip(cap.tables, cap.views)]
-            out = g.call_function(torch.ops.grcompile.score_mod_attention.default,
+            out = g.call_function(SCORE_MOD_ATTENTION,
                                   (q, k, vv, valid, q_sides, k_sides, tables, seed),
                                   {"score_mod": key, "normalize": cap.normalize, "causal": causal,
                                    "dropout_p": cap.dropout_p})

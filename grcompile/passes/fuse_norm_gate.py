@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..capture.pass_manager import GraphPass, PassContext
-from ..lowering import norm as _norm  # noqa: F401 (registers grcompile::gated_norm)
+from ..lowering.norm import GATED_NORM
 from .op_semantics import arg, canonical, example, refresh_example_values
 from .symbolic import known_eq
 
@@ -94,7 +94,7 @@ class FuseNormGate(GraphPass):
             gate = _gate_of(node)
             replaced, u = gate if gate is not None else (node, None)
             with g.inserting_before(replaced):
-                fused = g.call_function(torch.ops.grcompile.gated_norm.default, (node.args[0], u),
+                fused = g.call_function(GATED_NORM, (node.args[0], u),
                                         {"kind": kind, "eps": eps})
             fused.meta = dict(replaced.meta)
             if "stack_trace" in node.meta:  # report the user's norm line

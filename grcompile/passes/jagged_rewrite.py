@@ -21,9 +21,9 @@ import torch
 import torch.fx as fx
 
 from ..capture.pass_manager import GraphPass, PassContext, copy_graph, node_site
-from ..lowering import pack as _pack  # noqa: F401 (registers grcompile::pack_index)
-from ..lowering import attention as _attention  # noqa: F401 (registers grcompile::jagged_attention)
+from ..lowering.attention import JAGGED_ATTENTION
 from ..lowering.jagged import jagged_to_dense, segment_softmax, valid_to_offsets
+from ..lowering.pack import PACK_INDEX
 from .attention_capture import Unsupported, side_value, _Any
 from .detect_padding import analyse
 from .jagged_exits import ExitEmitter, prove_reads_valid, segment_kind, selection_kind
@@ -259,7 +259,7 @@ class _Rewriter:
                 valid = g.call_function(torch.logical_not, (mask,))
         self.valid = valid
         with g.inserting_after(valid):
-            self.index = g.call_function(torch.ops.grcompile.pack_index.default, (valid,))
+            self.index = g.call_function(PACK_INDEX, (valid,))
         with g.inserting_after(self.index):
             self.positions = g.call_function(operator.mod, (self.index, self._size(self.N)))
         with g.inserting_after(self.positions):
@@ -541,7 +541,7 @@ class _Rewriter:
         qs = [self._pack(s) for s in q_sides]
         ks = [self._pack(s) for s in k_sides]
         activation = {"none": "identity", "softmax": "softmax"}[opts["normalize"]]
-        return g.call_function(torch.ops.grcompile.jagged_attention.default,
+        return g.call_function(JAGGED_ATTENTION,
                                (qj, kj, vj, self.offsets, self.positions, qs, ks, list(tables), seed),
                                {"score_mod": opts["score_mod"], "use_qk": q is not None, "activation": activation,
                                 "scale": 1.0, "out_scale": 1.0, "causal": opts["causal"], "max_len": self._size(self.N),

@@ -17,8 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import grcompile
-import grcompile.lowering.checks  # noqa: F401 (registers grcompile::check_index)
-from grcompile.lowering.constant_check import digest  # (registers grcompile::check_unchanged)
+from grcompile.lowering.constant_check import digest
 from grcompile.lowering import jagged as J
 from grcompile.lowering.score_mod import hstu_rab_key, register_score_mod
 from grcompile.runtime import shard_embeddings

@@ -58,8 +58,8 @@ from __future__ import annotations
 
 from .buckets import plan_buckets
 from .dropout import dropout_keep
-from .op import (SEEN_VARIANTS, fuxi_attention, hstu_attention, jagged_attention, jagged_attention_backward,
-                 jagged_softmax_attention, note_variant)
+from .op import (JAGGED_ATTENTION, SEEN_VARIANTS, fuxi_attention, hstu_attention, jagged_attention,
+                 jagged_attention_backward, jagged_softmax_attention, note_variant)
 from .validation import ACTIVATIONS
 
 # The kernel modules (attention_triton, attention_ascend) fall back to the reference through these
@@ -70,4 +70,4 @@ from .validation import _check_dropout, _check_meta, _check_values  # noqa: F401
 
 __all__ = ["jagged_attention", "jagged_attention_backward", "hstu_attention", "fuxi_attention",
            "jagged_softmax_attention", "plan_buckets", "dropout_keep", "ACTIVATIONS", "note_variant",
-           "SEEN_VARIANTS"]
+           "SEEN_VARIANTS", "JAGGED_ATTENTION"]

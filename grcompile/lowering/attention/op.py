@@ -118,6 +118,7 @@ def _backward(ctx, grad_out):
 
 
 jagged_attention.register_autograd(_backward, setup_context=_setup_context)
+JAGGED_ATTENTION = torch.ops.grcompile.jagged_attention.default  # what the jagged rewrite emits
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,4 +183,4 @@ def jagged_softmax_attention(q, k, v, offsets, positions, *, N: int, scale: Opti
 
 
 __all__ = ["jagged_attention", "jagged_attention_backward", "hstu_attention", "fuxi_attention",
-           "jagged_softmax_attention", "note_variant", "SEEN_VARIANTS"]
+           "jagged_softmax_attention", "note_variant", "SEEN_VARIANTS", "JAGGED_ATTENTION"]
