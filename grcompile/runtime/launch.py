@@ -1,5 +1,6 @@
 """Run a function on N spawned gloo ranks of this machine and collect what each returns — the
-harness of the runtime's CLIs (``dedup_stats``, ``step_split``) and multi-process tests.
+harness of the sparse-runtime measurements (``grcompile.bench.dedup_stats``, ``grcompile.bench.step_split``)
+and multi-process tests.
 (``torchrun`` is the user-facing launcher; this one needs no rendezvous port.)"""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""``python -m grcompile.runtime.step_split``: sharded training steps on N gloo ranks, timed and counted.
+"""``python -m grcompile.bench.step_split``: sharded training steps on N gloo ranks, timed and counted.
 
-    python -m grcompile.runtime.step_split --nproc 2 --runs torchrec-row-none,torchrec-row-two_stage \\
+    python -m grcompile.bench.step_split --nproc 2 --runs torchrec-row-none,torchrec-row-two_stage \\
         --steps 12 --json docs/runtime/step-split-2.json --plot docs/runtime/step-split-2.png
 
 Each run is ``grcompile.train`` (synthetic Zipf data, global batch ``--batch-size`` sliced over the
@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from .launch import run_on_ranks
+from ..runtime.launch import run_on_ranks
 
 PHASES = ("id_all_to_all", "table_lookup", "embedding_all_to_all", "sparse_forward", "sparse_backward",
           "dense_all_reduce", "hsp_sync", "dense_compute_and_optimizer", "total")
@@ -103,7 +103,7 @@ def plot(summary: dict, path: str, nproc: int) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m grcompile.runtime.step_split", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m grcompile.bench.step_split", description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--runs", default="torchrec-row-none,torchrec-row-two_stage,torchrec-table-two_stage,native-row-two_stage")
     p.add_argument("--steps", type=int, default=12)

@@ -1,7 +1,7 @@
-"""``python -m grcompile.runtime.dedup_stats``: ids and bytes through the all-to-alls of a
+"""``python -m grcompile.bench.dedup_stats``: ids and bytes through the all-to-alls of a
 row-wise sharded item table, per dedup mode, on N gloo processes with the synthetic (Zipf) data.
 
-    python -m grcompile.runtime.dedup_stats --nproc 2 --batch-size 128 --max-len 200 --dim 64 --steps 5
+    python -m grcompile.bench.dedup_stats --nproc 2 --batch-size 128 --max-len 200 --dim 64 --steps 5
 
 Each rank takes its slice of every global batch (``--batch-size`` is global) and looks up the
 *valid* item ids of its rows plus their sampled negatives (padding never leaves the rank). Printed
@@ -18,11 +18,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from .launch import run_on_ranks
+from ..runtime.launch import run_on_ranks
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m grcompile.runtime.dedup_stats", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m grcompile.bench.dedup_stats", description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=128, help="global batch")
     p.add_argument("--max-len", type=int, default=200)
