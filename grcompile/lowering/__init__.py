@@ -169,13 +169,12 @@ def lookup(name: str, device_type: str) -> Callable:
 # Registering the ops (import order matters: the registry above must exist first).
 from . import jagged, score_mod  # noqa: E402,F401
 from .score_mod import get_score_mod, register_score_mod  # noqa: E402,F401
-from .attention import (  # noqa: E402,F401
-    fuxi_attention, hstu_attention, jagged_attention, jagged_softmax_attention)
+from .attention import jagged_attention  # noqa: E402,F401
 from .norm import gated_norm  # noqa: E402,F401
 from . import checks, constant_check, pack, score_mod_attention  # noqa: E402,F401
 
 __all__ = ["OPS", "OpEntry", "BACKENDS", "register_op", "lookup", "use_backend", "preferred_backend",
            "note_fallback", "kernel_usage", "kernel_fallbacks", "set_backend",
            "register_score_mod", "get_score_mod",
-           "jagged_attention", "hstu_attention", "fuxi_attention", "jagged_softmax_attention",
+           "jagged_attention",
            "gated_norm", "jagged", "score_mod"]

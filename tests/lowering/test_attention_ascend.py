@@ -15,6 +15,7 @@ from grcompile.lowering import attention_ascend as asc
 from grcompile.lowering.score_mod import (hstu_rab_key, register_score_mod, relative_position_bias_key,
                                           relative_time_bias_key)
 from tests.lowering import mxrec_stub as stub
+from tests.lowering.attention.wrappers import hstu_attention
 
 N, H, D = 8, 2, 16
 MIXES = ([0, 1, 8, 5], [8, 8, 3], [1, 0, 0, 7, 2, 8])  # empty, length-1 and full rows
@@ -245,8 +246,8 @@ def test_through_the_op_with_autograd(mxrec):
     def step(backend):
         leaves = [t.clone().requires_grad_() for t in (q, k, v, *tables)]
         with use_backend(backend):
-            out = ref.hstu_attention(*leaves[:3], offsets, positions, N=N, query_timestamps=ts, timestamps=ts,
-                                     position_table=leaves[3], time_table=leaves[4])
+            out = hstu_attention(*leaves[:3], offsets, positions, N=N, query_timestamps=ts, timestamps=ts,
+                                 position_table=leaves[3], time_table=leaves[4])
             out.pow(2).sum().backward()
         return out.detach(), [t.grad for t in leaves]
 

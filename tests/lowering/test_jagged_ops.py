@@ -27,6 +27,7 @@ from models.common import RelativePositionBias, RelativeTimeBias, causal_padding
 from models.sasrec import MASKED_SCORE
 
 from . import PROFILE
+from .attention import wrappers
 
 SETTINGS = settings(parent=settings.get_profile(PROFILE))
 SLOW = settings(parent=settings.get_profile("lowering-slow"))
@@ -192,7 +193,7 @@ def jagged_inputs(c: Case):
 
 def jagged_hstu(c: Case):
     index, q, k, v, offsets, positions, q_ts, k_ts = jagged_inputs(c)
-    out = lowering.hstu_attention(q, k, v, offsets, positions, N=c.N, query_timestamps=q_ts, timestamps=k_ts,
+    out = wrappers.hstu_attention(q, k, v, offsets, positions, N=c.N, query_timestamps=q_ts, timestamps=k_ts,
                                   position_table=c.position_bias.weight, time_table=c.time_bias.weight,
                                   table_max_len=c.position_bias.max_len, num_buckets=c.time_bias.num_buckets,
                                   causal=c.causal)
@@ -201,7 +202,7 @@ def jagged_hstu(c: Case):
 
 def jagged_fuxi(c: Case):
     index, q, k, v, offsets, positions, q_ts, k_ts = jagged_inputs(c)
-    out = lowering.fuxi_attention(q, k, v, offsets, positions, N=c.N, query_timestamps=q_ts, timestamps=k_ts,
+    out = wrappers.fuxi_attention(q, k, v, offsets, positions, N=c.N, query_timestamps=q_ts, timestamps=k_ts,
                                   position_table=c.position_bias.weight, time_table=c.time_bias.weight,
                                   table_max_len=c.position_bias.max_len, num_buckets=c.time_bias.num_buckets)
     return index, out
@@ -209,7 +210,7 @@ def jagged_fuxi(c: Case):
 
 def jagged_sasrec(c: Case):
     index, q, k, v, offsets, positions, _, _ = jagged_inputs(c)
-    return index, lowering.jagged_softmax_attention(q, k, v, offsets, positions, N=c.N, causal=c.causal)
+    return index, wrappers.jagged_softmax_attention(q, k, v, offsets, positions, N=c.N, causal=c.causal)
 
 
 def jagged_hstu_score_kind(c: Case):
@@ -345,7 +346,7 @@ def test_attention_dropout_equals_dense_with_the_same_mask(c: Case, p: float, se
     if model == "hstu":
         def jagged_fn(c):
             index, q, k, v, offsets, positions, q_ts, k_ts = jagged_inputs(c)
-            return index, lowering.hstu_attention(
+            return index, wrappers.hstu_attention(
                 q, k, v, offsets, positions, N=c.N, query_timestamps=q_ts, timestamps=k_ts,
                 position_table=c.position_bias.weight, time_table=c.time_bias.weight,
                 table_max_len=c.position_bias.max_len, num_buckets=c.time_bias.num_buckets, causal=c.causal,
@@ -359,7 +360,7 @@ def test_attention_dropout_equals_dense_with_the_same_mask(c: Case, p: float, se
     else:
         def jagged_fn(c):
             index, q, k, v, offsets, positions, _, _ = jagged_inputs(c)
-            return index, lowering.jagged_softmax_attention(q, k, v, offsets, positions, N=c.N, causal=c.causal,
+            return index, wrappers.jagged_softmax_attention(q, k, v, offsets, positions, N=c.N, causal=c.causal,
                                                             dropout_p=p, seed=seed_t)
 
         def dense_fn(c):
@@ -490,11 +491,11 @@ def test_ops_compile_fullgraph_fwd_bwd() -> None:
     time_w = torch.randn(129, generator=gen, dtype=F64, requires_grad=True)
 
     def step(q, k, v, u, pos_w, time_w, offsets, positions, ts):
-        h = lowering.hstu_attention(q, k, v, offsets, positions, N=N, query_timestamps=ts + 1, timestamps=ts,
+        h = wrappers.hstu_attention(q, k, v, offsets, positions, N=N, query_timestamps=ts + 1, timestamps=ts,
                                     position_table=pos_w, time_table=time_w)
-        f = lowering.fuxi_attention(q, k, v, offsets, positions, N=N, query_timestamps=ts + 1, timestamps=ts,
+        f = wrappers.fuxi_attention(q, k, v, offsets, positions, N=N, query_timestamps=ts + 1, timestamps=ts,
                                     position_table=pos_w, time_table=time_w)
-        s = lowering.jagged_softmax_attention(q, k, v, offsets, positions, N=N)
+        s = wrappers.jagged_softmax_attention(q, k, v, offsets, positions, N=N)
         g = lowering.gated_norm(h.reshape(T, -1), u.reshape(T, -1), kind="layer", eps=1e-6)
         return (g.sin().sum() + f.cos().sum() + (s * s).sum()
                 + lowering.gated_norm(s.reshape(T, -1), None, kind="rms", eps=1e-6).sum())

@@ -47,10 +47,11 @@ with ``GRCOMPILE_BACKEND=triton``) generates the score_mod into the kernel; a ca
 against stubs only: nothing has run on an NPU).
 
 
-Modules, one concern each: :mod:`.op` (schema, fake, autograd, kernel slots, the variants run,
-the models' named wrappers), :mod:`.validation` (argument checks), :mod:`.buckets` (the bucket
-planner), :mod:`.dropout` (the dropout hash), :mod:`.chunks` (one chunk, and its inductor-compiled
-copies), :mod:`.reference` (the reference forward / backward). The knobs (``buckets.BUCKET_WASTE``,
+Modules, one concern each: :mod:`.op` (schema, fake, autograd, kernel slots, the variants run),
+:mod:`.validation` (argument checks), :mod:`.buckets` (the bucket planner), :mod:`.dropout` (the
+dropout hash), :mod:`.chunks` (one chunk, and its inductor-compiled copies), :mod:`.reference`
+(the reference forward / backward). The models' attentions written as calls of the op live with
+the tests (tests/lowering/attention/wrappers.py). The knobs (``buckets.BUCKET_WASTE``,
 ``buckets.CHUNK_ELEMENTS``, ``chunks.COMPILE_CHUNKS``, ...) are globals of their module, read at
 call time.
 """
@@ -58,8 +59,7 @@ from __future__ import annotations
 
 from .buckets import plan_buckets
 from .dropout import dropout_keep
-from .op import (JAGGED_ATTENTION, SEEN_VARIANTS, fuxi_attention, hstu_attention, jagged_attention,
-                 jagged_attention_backward, jagged_softmax_attention, note_variant)
+from .op import JAGGED_ATTENTION, SEEN_VARIANTS, jagged_attention, jagged_attention_backward, note_variant
 from .validation import ACTIVATIONS
 
 # The kernel modules (attention_triton, attention_ascend) fall back to the reference through these
@@ -68,6 +68,5 @@ from .reference import (_attention_backward_reference, _attention_reference, _au
                         _grad_placeholder)
 from .validation import _check_dropout, _check_meta, _check_values  # noqa: F401
 
-__all__ = ["jagged_attention", "jagged_attention_backward", "hstu_attention", "fuxi_attention",
-           "jagged_softmax_attention", "plan_buckets", "dropout_keep", "ACTIVATIONS", "note_variant",
-           "SEEN_VARIANTS", "JAGGED_ATTENTION"]
+__all__ = ["jagged_attention", "jagged_attention_backward", "plan_buckets", "dropout_keep", "ACTIVATIONS",
+           "note_variant", "SEEN_VARIANTS", "JAGGED_ATTENTION"]
