@@ -21,8 +21,11 @@ A provider is ``"module:function"``; the function returns a list of dicts with t
 ``"*bf16"``, ``"i32"``, ``"fp32"``, ``"constexpr"``…), ``constexprs`` (argument → value),
 ``num_warps``, ``num_stages``, ``config`` (JSON-able description), ``uses_dot`` (the kernel has a
 ``tl.dot``) and optionally ``divisible_by_16`` (pointer/int arguments Triton may assume 16-aligned,
-default: every pointer, as a launch on PyTorch-allocated tensors specialises them) and
-``options`` (further ``triton.compile`` options such as ``maxnreg``).
+default: every pointer, as a launch on PyTorch-allocated tensors specialises them),
+``options`` (further ``triton.compile`` options such as ``maxnreg``) and ``arch`` (``"sm_80"`` /
+``"sm_90"``: the config is compiled for that arch only — tiles chosen per architecture — and
+skipped when ``--arch`` leaves that arch out; without it, for every ``--arch``). With
+``--max-per-kernel N`` the first N configs of each kernel are taken per ``arch`` key.
 
 A record fails when the kernel does not compile, spills, needs more shared memory than the
 architecture has, or declares a ``tl.dot`` (or has one in its TTIR) without using the
@@ -289,9 +292,19 @@ def _judge(record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
+def config_archs(cfg: dict[str, Any], archs: list[str]) -> list[str]:
+    """The archs of ``archs`` that ``cfg`` is compiled for: all of them, or only its ``arch`` key
+    (none when that arch was not asked for; an unknown arch is kept, to fail as a record)."""
+    arch = cfg.get("arch")
+    if arch is None:
+        return list(archs)
+    return [arch] if arch in archs or arch not in ARCHS else []
+
+
 def compile_all(configs: list[dict[str, Any]], archs: list[str], progress: bool = True) -> list[dict[str, Any]]:
-    """One record per (config, arch), in provider order, then arch order."""
-    jobs = [(cfg, arch) for cfg in configs for arch in archs]
+    """One record per (config, arch), in provider order, then arch order (a config with an
+    ``arch`` key: that arch only, see :func:`config_archs`)."""
+    jobs = [(cfg, arch) for cfg in configs for arch in config_archs(cfg, archs)]
     bar = None
     if progress and jobs:
         try:
@@ -472,7 +485,7 @@ def build_report(providers: list[str], archs: list[str], with_roofline: bool = T
                  progress: bool = True) -> dict[str, Any]:
     """Load ``providers``, compile their configs for ``archs`` (only kernels whose name matches the
     regular expression ``kernels``, and only the first ``max_per_kernel`` configs of each kernel
-    name, when given), and assemble the JSON report."""
+    name, per ``arch`` key, when given), and assemble the JSON report."""
     import triton
 
     for arch in archs:
@@ -484,7 +497,7 @@ def build_report(providers: list[str], archs: list[str], with_roofline: bool = T
         seen: dict[str, int] = {}
         kept = []
         for c in configs:
-            key = f"{c.get('provider')}:{c.get('kernel')}"
+            key = f"{c.get('provider')}:{c.get('kernel')}:{c.get('arch')}"
             seen[key] = seen.get(key, 0) + 1
             if seen[key] <= max_per_kernel:
                 kept.append(c)

@@ -424,22 +424,42 @@ def _pad(d: int) -> int:
     return max(16, 1 << max(0, (d - 1).bit_length()))  # tl.dot needs >= 16
 
 
-# GPU tiles per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) for head widths up to 64 / above.
-# Chosen with the AOT report (no spills on sm_80 / sm_90 for the configs of aot_configs); the
-# backward kernels hold two accumulators, hence their narrower inner tile.
-GPU_TILES = {
-    "fwd": {64: (64, 64, 8, 2), 256: (64, 32, 8, 2)},
-    "bwd_kv": {64: (32, 64, 8, 2), 256: (16, 64, 8, 2)},
-    "bwd_q": {64: (64, 32, 8, 2), 256: (64, 16, 8, 2)},
+# GPU tiles: GPU_TILES[kernel][arch][bucket] = (BLOCK_M, BLOCK_N, num_warps, num_stages) for head
+# widths max(dqk, dv) <= bucket. fwd / bwd_q own BLOCK_M queries and loop over BLOCK_N keys;
+# bwd_kv owns BLOCK_N keys and loops over BLOCK_M queries. sm_90 (wgmma) needs M >= 64 per
+# warpgroup in every tl.dot, sm_80 (mma.sync) does not, hence a table per arch.
+GPU_TILES = {  # python -m grcompile.lowering.tile_sweep (bf16, the score_mods of aot_cases); "?" = not swept
+    "fwd": {"sm_80": {64: (32, 128, 8, 3), 128: (32, 64, 8, 3), 256: (16, 64, 8, 3)},
+            "sm_90": {64: (64, 64, 8, 3), 128: (64, 32, 8, 2), 256: (64, 16, 8, 2)}},  # 256: spills (best found)
+    "bwd_kv": {"sm_80": {64: (64, 32, 8, 3), 128: (64, 32, 8, 3), 256: (32, 16, 8, 3)},
+               # sm_90: no spill-free tile with wgmma only; these mix mma.sync and wgmma; 256: "?"
+               "sm_90": {64: (32, 64, 8, 1), 128: (16, 64, 8, 3), 256: (16, 64, 8, 3)}},
+    "bwd_q": {"sm_80": {64: (32, 128, 8, 3), 128: (32, 64, 8, 3), 256: (16, 64, 8, 3)},  # 256: "?"
+              "sm_90": {64: (64, 32, 8, 2), 128: (64, 16, 8, 2), 256: (64, 16, 8, 2)}},  # "?" (not swept)
 }
+HEAD_BUCKETS = (64, 128, 256)
 
 
-def launch_config(kernel: str, dqk: int, dv: int, device: torch.device) -> tuple[dict, int, int]:
-    """``(constexpr blocks, num_warps, num_stages)`` of ``kernel`` ("fwd", "bwd_kv", "bwd_q")."""
+def gpu_arch(device: torch.device) -> str:
+    """The ``GPU_TILES`` arch of a CUDA device: ``"sm_90"`` from compute capability 9 on, else ``"sm_80"``."""
+    return "sm_90" if torch.cuda.get_device_capability(device)[0] >= 9 else "sm_80"
+
+
+def launch_config(kernel: str, dqk: int, dv: int, device: Optional[torch.device] = None,
+                  arch: Optional[str] = None) -> tuple[dict, int, int]:
+    """``(constexpr blocks, num_warps, num_stages)`` of ``kernel`` ("fwd", "bwd_kv", "bwd_q") on
+    ``device`` (its arch read from the device), or for ``arch`` ("sm_80" / "sm_90") when given
+    (ahead-of-time compiles: no device)."""
     pads = dict(BLOCK_DQK=_pad(dqk), BLOCK_DV=_pad(dv))
-    if device.type == "cpu":  # the interpreter: small tiles keep it fast
-        return dict(BLOCK_M=16, BLOCK_N=16, **pads), 4, 1
-    tiles = GPU_TILES[kernel][64 if max(dqk, dv) <= 64 else 256]
+    if arch is None:
+        if device is None or device.type == "cpu":  # the interpreter: small tiles keep it fast
+            return dict(BLOCK_M=16, BLOCK_N=16, **pads), 4, 1
+        arch = gpu_arch(device)
+    width = max(dqk, dv)
+    bucket = next((b for b in HEAD_BUCKETS if width <= b), None)
+    if bucket is None:
+        raise ValueError(f"head width {width}: the kernels take at most {HEAD_BUCKETS[-1]}")
+    tiles = GPU_TILES[kernel][arch][bucket]
     env = os.environ.get(f"GRCOMPILE_TILES_{kernel.upper()}")  # "BM,BN,warps,stages": for tuning runs
     bm, bn, warps, stages = tuple(int(x) for x in env.split(",")) if env else tiles
     return dict(BLOCK_M=bm, BLOCK_N=bn, **pads), warps, stages
@@ -642,40 +662,58 @@ def _aot_time_bucket_per_head(score, q_pos, k_pos, head, q_side_0, k_side_0, tab
     return score + table_0[(bucket, head)]
 
 
-def aot_configs() -> list[dict]:
-    """Representative compile configs for the AOT report: bf16 q/k/v (the training dtype; fp32
-    runs the same kernels without tensor cores), head widths 64 and 128, and the score_mods of
-    SASRec (none, softmax, dropout), HSTU (relative position + time-bucket tables, SiLU), FuXi-α's
-    positional channel (no q·k) and a zoo-style per-head time-bucket table."""
+def aot_cases() -> dict[str, tuple]:
+    """The score_mods of the AOT report, by model: ``(score_mod key, activation, use_qk, dropout,
+    q_sides, k_sides, tables)`` — SASRec (none, softmax, dropout), HSTU (relative position +
+    time-bucket tables, SiLU), FuXi-α's positional channel (no q·k) and a zoo-style per-head
+    time-bucket table."""
     from .score_mod import hstu_rab_key, register_score_mod, relative_position_bias_key
     N, H = 8192, 8
     stamps = torch.zeros(4, dtype=torch.int64)
-    cases = [
-        ("sasrec", "", "softmax", True, True, [], [], [], 64),
-        ("hstu", hstu_rab_key(N, 128), "silu", True, False, [stamps], [stamps],
-         [torch.zeros(2 * N - 1), torch.zeros(129)], 128),
-        ("hstu", hstu_rab_key(N, 128), "silu", True, False, [stamps], [stamps],
-         [torch.zeros(2 * N - 1), torch.zeros(129)], 64),
-        ("fuxi_positional", relative_position_bias_key(N), "identity", False, False, [], [],
-         [torch.zeros(2 * N - 1)], 64),
-        ("time_bucket_per_head", register_score_mod(_aot_time_bucket_per_head), "softmax", True, True,
-         [stamps], [stamps], [torch.zeros(128, H)], 64),
-    ]
-    configs = []
-    cuda = torch.device("cuda")
-    for model, key, activation, use_qk, dropout, q_sides, k_sides, tables, d in cases:
-        variant = Variant(key, activation, True, use_qk, dropout, tuple(t.dtype for t in q_sides),
-                          tuple(t.dtype for t in k_sides), tuple((t.dim(), t.dtype) for t in tables))
-        module, code = kernels_for(variant, q_sides, k_sides, tables)
-        all_tables = list(tables) + list(code.constants if code else [])
-        for kernel in ("fwd", "bwd_kv", "bwd_q") if use_qk else ("fwd", "bwd_kv"):  # see the launch of bwd_q
-            blocks, warps, stages = launch_config(kernel, d, d, cuda)
-            constexprs = dict(blocks, ACT=_ACT[activation], CAUSAL=True, USE_QK=use_qk, DROPOUT=dropout, IEEE=0)
-            fn = getattr(module, kernel)
-            configs.append(dict(
-                kernel=f"jagged_attention_{kernel}", fn=fn,
+    return {
+        "sasrec": ("", "softmax", True, True, [], [], []),
+        "hstu": (hstu_rab_key(N, 128), "silu", True, False, [stamps], [stamps],
+                 [torch.zeros(2 * N - 1), torch.zeros(129)]),
+        "fuxi_positional": (relative_position_bias_key(N), "identity", False, False, [], [], [torch.zeros(2 * N - 1)]),
+        "time_bucket_per_head": (register_score_mod(_aot_time_bucket_per_head), "softmax", True, True,
+                                 [stamps], [stamps], [torch.zeros(128, H)]),
+    }
+
+
+def aot_kernels(model: str) -> tuple[str, ...]:
+    """The kernels a model's attention launches (no q·k: nothing for bwd_q, see its launch)."""
+    return ("fwd", "bwd_kv", "bwd_q") if aot_cases()[model][2] else ("fwd", "bwd_kv")
+
+
+def aot_config(model: str, kernel: str, arch: str, d: int, tile: Optional[tuple] = None) -> dict:
+    """The AOT compile config of ``kernel`` for ``model``'s score_mod (:func:`aot_cases`) at head
+    width ``d``, bf16, for ``arch``: its ``GPU_TILES`` tile, or ``tile`` = (BLOCK_M, BLOCK_N,
+    num_warps, num_stages) when given (tile sweeps)."""
+    key, activation, use_qk, dropout, q_sides, k_sides, tables = aot_cases()[model]
+    variant = Variant(key, activation, True, use_qk, dropout, tuple(t.dtype for t in q_sides),
+                      tuple(t.dtype for t in k_sides), tuple((t.dim(), t.dtype) for t in tables))
+    module, code = kernels_for(variant, q_sides, k_sides, tables)
+    all_tables = list(tables) + list(code.constants if code else [])
+    if tile is None:
+        blocks, warps, stages = launch_config(kernel, d, d, arch=arch)
+    else:
+        blocks, (warps, stages) = dict(BLOCK_M=tile[0], BLOCK_N=tile[1], BLOCK_DQK=_pad(d), BLOCK_DV=_pad(d)), tile[2:]
+    constexprs = dict(blocks, ACT=_ACT[activation], CAUSAL=True, USE_QK=use_qk, DROPOUT=dropout, IEEE=0)
+    fn = getattr(module, kernel)
+    return dict(kernel=f"jagged_attention_{kernel}", fn=fn, arch=arch,
                 signature=_kernel_signature(fn, torch.bfloat16, q_sides, k_sides, all_tables),
                 constexprs=constexprs, num_warps=warps, num_stages=stages, uses_dot=True,
                 config=dict(model=model, score_mod=key.split("-")[0] or "none", activation=activation,
-                            dtype="bf16", head_dim=d, dropout=dropout, **blocks)))
-    return configs
+                            dtype="bf16", head_dim=d, dropout=dropout, arch=arch, **blocks))
+
+
+# (model, head width) of the AOT report: the bf16 training dtype (fp32 runs the same kernels
+# without tensor cores), head widths 64 and 128
+AOT_REPORT = (("sasrec", 64), ("hstu", 128), ("hstu", 64), ("fuxi_positional", 64), ("time_bucket_per_head", 64))
+
+
+def aot_configs() -> list[dict]:
+    """The AOT report's configs: every kernel of :data:`AOT_REPORT` once per arch, with that arch's
+    ``GPU_TILES`` tile (the ``arch`` key: compiled for that arch only)."""
+    return [aot_config(model, kernel, arch, d)
+            for model, d in AOT_REPORT for kernel in aot_kernels(model) for arch in ("sm_80", "sm_90")]

@@ -80,6 +80,13 @@ def aot_failing_configs() -> list[dict]:
             _matmul("undeclared_dot", 16, 1, False)]
 
 
+def aot_arch_configs() -> list[dict]:
+    """Configs with an ``arch`` key: the one-warp tile (no wgmma) for sm_80 only, a four-warp tile
+    for sm_90 only, and a pointwise kernel for every arch."""
+    return [dict(_matmul("one_warp_matmul", 16, 1, True), arch="sm_80"),
+            dict(_matmul("tile_matmul", 64, 4, True), arch="sm_90"), aot_test_configs()[1]]
+
+
 def _run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -188,7 +195,27 @@ def test_no_fail_and_kernel_filter(tmp_path):
     assert "roofline" not in report and "Roofline" not in done.stdout
 
 
+def test_arch_key_compiles_for_that_arch_only(tmp_path):
+    out = tmp_path / "r.json"
+    done = _run_cli("--arch", "sm_80,sm_90", "--providers", f"{HERE}:aot_arch_configs", "--no-roofline",
+                    "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr  # the one-warp dot never meets sm_90
+    report = json.loads(out.read_text())
+    assert [(r["kernel"], r["arch"]) for r in report["records"]] == [
+        ("one_warp_matmul", "sm_80"), ("tile_matmul", "sm_90"), ("silu", "sm_80"), ("silu", "sm_90")]
+    assert report["records"][1]["mma"] == ["wgmma"] and report["failed"] == 0
+
+
 # ------------------------------------------------------------------ in-process, no compiling
+
+
+def test_config_archs():
+    assert aot.config_archs({}, ["sm_80", "sm_90"]) == ["sm_80", "sm_90"]
+    assert aot.config_archs({"arch": "sm_90"}, ["sm_80", "sm_90"]) == ["sm_90"]
+    assert aot.config_archs({"arch": "sm_90"}, ["sm_80"]) == []  # not asked for: skipped
+    assert aot.config_archs({"arch": "sm_75"}, ["sm_80"]) == ["sm_75"]  # unknown: kept, fails as a record
+    rec = aot.compile_config(dict(aot_test_configs()[1], arch="sm_75"), "sm_75")
+    assert not rec["compiled"] and "unknown arch" in rec["error"]
 
 
 def test_parse_ptxas_log():
@@ -278,14 +305,19 @@ def _real_provider_report(spec: str, tmp_path: Path, *extra: str) -> dict:
     status = report["providers"][0]
     assert status["status"] == "ok" and status["configs"] > 0, status
     by_config: dict[str, set] = {}
+    by_kernel: dict[str, set] = {}
     for r in report["records"]:
         by_config.setdefault(json.dumps([r["kernel"], r["config"]], sort_keys=True, default=str), set()).add(r["arch"])
+        by_kernel.setdefault(r["kernel"], set()).add(r["arch"])
         assert r["compiled"], (r["kernel"], r["arch"], r["error"])
         assert r["spill_bytes"] == 0, (r["kernel"], r["config"], r["arch"], r["failures"])
         if r["uses_dot"]:
             assert r["tensor_cores"], (r["kernel"], r["config"], r["arch"], r["mma"])
         assert r["failures"] == [], (r["kernel"], r["config"], r["arch"], r["failures"])
-    assert all(archs == {"sm_80", "sm_90"} for archs in by_config.values()), by_config
+    for key, archs in by_config.items():  # a config naming its arch is compiled for that one only
+        named = json.loads(key)[1].get("arch") if isinstance(json.loads(key)[1], dict) else None
+        assert archs == ({named} if named else {"sm_80", "sm_90"}), (key, archs)
+    assert all(archs == {"sm_80", "sm_90"} for archs in by_kernel.values()), by_kernel
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return report
 

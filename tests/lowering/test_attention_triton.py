@@ -265,3 +265,42 @@ def test_optimize_backend_option_sets_the_process_kernel_backend():
     finally:
         set_backend(None)
     assert preferred_backend() == "auto"
+
+
+def test_launch_config_picks_the_device_archs_tiles(monkeypatch):
+    """sm_90 tiles from compute capability 9 on, sm_80 tiles below, by head-width bucket
+    (max(dqk, dv) <= 64 / 128 / 256); the interpreter's small tiles on CPU; one AOT config per arch."""
+    cc = {}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc["now"])
+    for kernel in ("fwd", "bwd_kv", "bwd_q"):
+        monkeypatch.delenv(f"GRCOMPILE_TILES_{kernel.upper()}", raising=False)
+    cuda = torch.device("cuda", 0)
+    for now, arch in (((8, 0), "sm_80"), ((8, 6), "sm_80"), ((9, 0), "sm_90"), ((10, 0), "sm_90")):
+        cc["now"] = now
+        for kernel in ("fwd", "bwd_kv", "bwd_q"):
+            for dqk, dv, bucket in ((8, 64, 64), (65, 16, 128), (128, 128, 128), (100, 129, 256), (256, 256, 256)):
+                blocks, warps, stages = at.launch_config(kernel, dqk, dv, cuda)
+                assert (blocks["BLOCK_M"], blocks["BLOCK_N"], warps, stages) == at.GPU_TILES[kernel][arch][bucket]
+                assert (blocks["BLOCK_DQK"], blocks["BLOCK_DV"]) == (at._pad(dqk), at._pad(dv))
+                assert at.launch_config(kernel, dqk, dv, arch=arch) == (blocks, warps, stages)
+    for kernel, per_bucket in ((k, t["sm_90"]) for k, t in at.GPU_TILES.items()):
+        for bm, bn, warps, _ in per_bucket.values():  # wgmma: M >= 64 per warpgroup in the main tl.dot
+            assert warps % 4 == 0 and (bn >= 64 if kernel == "bwd_kv" else bm >= 64), (kernel, per_bucket)
+    assert at.launch_config("fwd", 64, 64, torch.device("cpu")) == (
+        dict(BLOCK_M=16, BLOCK_N=16, BLOCK_DQK=64, BLOCK_DV=64), 4, 1)
+    with pytest.raises(ValueError, match="at most 256"):
+        at.launch_config("fwd", 257, 64, arch="sm_80")
+    monkeypatch.setenv("GRCOMPILE_TILES_BWD_Q", "32,16,4,1")
+    assert at.launch_config("bwd_q", 64, 64, arch="sm_90") == (
+        dict(BLOCK_M=32, BLOCK_N=16, BLOCK_DQK=64, BLOCK_DV=64), 4, 1)
+    monkeypatch.delenv("GRCOMPILE_TILES_BWD_Q")
+    configs = at.aot_configs()
+    assert {c["arch"] for c in configs} == {"sm_80", "sm_90"}
+    for c in configs:
+        kernel = c["kernel"].removeprefix("jagged_attention_")
+        tile = at.GPU_TILES[kernel][c["arch"]][c["config"]["head_dim"]]
+        assert (c["constexprs"]["BLOCK_M"], c["constexprs"]["BLOCK_N"], c["num_warps"], c["num_stages"]) == tile
+        assert c["config"]["arch"] == c["arch"]
+    per_arch = {a: sorted((c["kernel"], c["config"]["model"], c["config"]["head_dim"]) for c in configs if c["arch"] == a)
+                for a in ("sm_80", "sm_90")}
+    assert per_arch["sm_80"] == per_arch["sm_90"] and len(configs) == 2 * len(per_arch["sm_80"])  # once per arch

@@ -1,0 +1,175 @@
+"""Tile sweep of the jagged attention kernels (how ``attention_triton.GPU_TILES`` is chosen): no GPU.
+
+    python -m grcompile.lowering.tile_sweep --kernel fwd,bwd_kv,bwd_q --arch sm_80,sm_90 \\
+        --bucket 64,128,256 [--json sweep.json]
+
+For each (kernel, arch, head-width bucket), tiles (BLOCK_M, BLOCK_N ∈ {16, 32, 64, 128},
+num_warps ∈ {4, 8}, num_stages ∈ {1, 2, 3}) are compiled with the AOT report's
+:func:`~grcompile.lowering.aot.compile_config` for every score_mod of
+:func:`~grcompile.lowering.attention_triton.aot_cases` at head width = the bucket (bf16).
+
+A tile *passes* when, for every score_mod, it compiles without spills, fits the arch's shared
+memory and has only the arch's tensor-core MMA (sm_90: ``wgmma`` and no ``mma.sync`` — each
+``tl.dot`` needs M >= 64 per warpgroup). Tiles are walked by work per program (BLOCK_M ·
+BLOCK_N) from the largest; the first size with a passing tile wins, and among its passing tiles
+the fewest registers (the most of any score_mod), then more stages. A tile stops at its first
+failing score_mod (the heaviest are compiled first).
+
+When no tile passes, every tile whose plain kernel (SASRec, no score_mod) compiles without
+spills is compiled for every score_mod (up to its first spill once some tile is spill-free for
+all), and the least-spilling one is chosen: plain kernel
+spill-free first, then the fewest spilling score_mods, the fewest spilled bytes (summed), the
+arch's MMA only over mixed over none (sm_90: a spill-free ``mma.sync`` tile beats a spilling
+``wgmma`` one), larger tiles, fewer registers. Such a choice is printed as ``SPILLS`` and / or
+``MMA`` (not only the arch's tensor-core instruction).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+SIZES = (16, 32, 64, 128)
+WARPS = (4, 8)
+STAGES = (1, 2, 3)
+# heaviest first: a tile that fails stops early
+ORDER = ("hstu", "time_bucket_per_head", "fuxi_positional", "sasrec")
+PLAIN = "sasrec"
+
+
+def tiles() -> list[tuple[int, int, int, int]]:
+    return list(itertools.product(SIZES, SIZES, WARPS, STAGES))
+
+
+def _summary(record: dict[str, Any]) -> dict[str, Any]:
+    """``hard``: the AOT report's failures other than spills and tensor cores (not compiled, shared
+    memory); ``mma_level``: 0 only the arch's MMA, 1 mixed (sm_90: ``mma.sync`` beside ``wgmma``),
+    2 not the arch's MMA at all (sm_90 on ``mma.sync`` only: the AOT report fails it)."""
+    arch_mma = {"sm_80": "mma.sync", "sm_90": "wgmma"}[record["arch"]]
+    hard = [f for f in record["failures"] if not f.startswith("spills") and " in the PTX (" not in f]
+    if not record["compiled"]:
+        hard = hard or [f"not compiled: {record['error']}"]
+    level = 0 if record["mma"] == [arch_mma] else 1 if arch_mma in record["mma"] else 2
+    return {"registers": record["registers"], "spill_bytes": record["spill_bytes"] or 0,
+            "shared_bytes": record["shared_bytes"], "mma": record["mma"], "hard": hard, "mma_level": level,
+            "passes": record["compiled"] and not record["failures"] and level == 0,
+            "seconds": round((record["compile_seconds"] or 0) + (record["ptxas_seconds"] or 0), 2)}
+
+
+class Sweep:
+    def __init__(self, kernel: str, arch: str, bucket: int):
+        from .attention_triton import aot_kernels
+        self.kernel, self.arch, self.bucket = kernel, arch, bucket
+        self.models = [m for m in ORDER if kernel in aot_kernels(m)]
+        self.results: dict[tuple, dict[str, dict]] = {}
+
+    def compile(self, tile: tuple, model: str) -> dict[str, Any]:
+        from .aot import compile_config
+        from .attention_triton import aot_config
+        done = self.results.setdefault(tile, {})
+        if model not in done:
+            done[model] = _summary(compile_config(aot_config(model, self.kernel, self.arch, self.bucket, tile),
+                                                  self.arch))
+        return done[model]
+
+    def evaluate(self, tile: tuple, models: list[str], stop: bool) -> bool:
+        passes = True
+        for model in models:
+            passes &= self.compile(tile, model)["passes"]
+            if not passes and stop:
+                return False
+        return passes
+
+    def run(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        by_area: dict[int, list] = {}
+        for tile in tiles():
+            by_area.setdefault(tile[0] * tile[1], []).append(tile)
+        for area in sorted(by_area, reverse=True):
+            passing = [t for t in by_area[area] if self.evaluate(t, self.models, stop=True)]
+            if passing:
+                chosen = min(passing, key=lambda t: (self.max_regs(t), -t[3], t[2]))
+                return self.report(chosen, start=start, passing=passing)
+        # nothing passes: the least-spilling tile whose plain kernel passes
+        clean = False  # some tile is spill-free everywhere: a spilling tile can stop at its first spill
+        for tile in tiles():  # small tiles first: they find a spill-free one soonest
+            plain = self.compile(tile, PLAIN)
+            if plain["spill_bytes"] == 0 and not plain["hard"]:
+                spill_free = True
+                for model in self.models:
+                    r = self.compile(tile, model)
+                    spill_free &= r["spill_bytes"] == 0 and not r["hard"]
+                    if not spill_free and clean:
+                        break
+                clean |= spill_free
+
+        def rank(t: tuple) -> tuple:
+            res = self.results[t]
+            plain = res[PLAIN]["spill_bytes"] > 0 or bool(res[PLAIN]["hard"])
+            spilling = [m for m in self.models if m not in res or res[m]["spill_bytes"]]
+            return (any(r["hard"] for r in res.values()), plain, len(spilling),
+                    sum(r["spill_bytes"] for r in res.values()), max(r["mma_level"] for r in res.values()),
+                    -t[0] * t[1], self.max_regs(t))
+        chosen = min(self.results, key=rank)
+        return self.report(chosen, start=start, passing=[])
+
+    def max_regs(self, tile: tuple) -> int:
+        return max(r["registers"] or 0 for r in self.results[tile].values())
+
+    def report(self, chosen: tuple, start: float, passing: list) -> dict[str, Any]:
+        res = self.results[chosen]
+        return {"kernel": self.kernel, "arch": self.arch, "bucket": self.bucket, "tile": list(chosen),
+                "spills": any(r["spill_bytes"] for r in res.values()) or set(res) != set(self.models),
+                "mma_level": max(r["mma_level"] for r in res.values()), "per_model": res,
+                "passing_same_size": [list(t) for t in passing],
+                "compiles": sum(len(v) for v in self.results.values()),
+                "seconds": round(time.perf_counter() - start, 1),
+                "evaluated": {",".join(map(str, t)): v for t, v in self.results.items()}}
+
+
+def format_result(r: dict[str, Any]) -> str:
+    head = (f"{r['kernel']:6s} {r['arch']} d<={r['bucket']:<3d} tile={tuple(r['tile'])}"
+            f"{'  SPILLS' if r['spills'] else ''}{'  MMA' if r['mma_level'] else ''}"
+            f"  ({r['compiles']} compiles, {r['seconds']} s)")
+    lines = [head]
+    for model, s in r["per_model"].items():
+        lines.append(f"    {model:22s} regs={s['registers']} spill={s['spill_bytes']} smem={s['shared_bytes']} "
+                     f"mma={'+'.join(s['mma']) or '-'}{' ! ' + '; '.join(s['hard']) if s['hard'] else ''}")
+    if len(r["passing_same_size"]) > 1:
+        lines.append(f"    also passing at this size: {[tuple(t) for t in r['passing_same_size'] if t != r['tile']]}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m grcompile.lowering.tile_sweep", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernel", default="fwd,bwd_kv,bwd_q")
+    parser.add_argument("--arch", default="sm_80,sm_90")
+    parser.add_argument("--bucket", default="64,128,256")
+    parser.add_argument("--json", metavar="PATH", help="every compiled (tile, score_mod) and the choices")
+    args = parser.parse_args(argv)
+    results = []
+    for kernel in args.kernel.split(","):
+        for arch in args.arch.split(","):
+            for bucket in (int(b) for b in args.bucket.split(",")):
+                results.append(Sweep(kernel, arch, bucket).run())
+                print(format_result(results[-1]), flush=True)
+                if args.json:
+                    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                    Path(args.json).write_text(json.dumps(results, indent=1))
+    table: dict[str, dict[str, dict[int, tuple]]] = {}
+    for r in results:
+        table.setdefault(r["kernel"], {}).setdefault(r["arch"], {})[r["bucket"]] = tuple(r["tile"])
+    print("GPU_TILES =", table)
+    return 0
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes"):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        os.execve(sys.executable, [sys.executable, "-m", "grcompile.lowering.tile_sweep", *sys.argv[1:]], env)
+    sys.exit(main())
