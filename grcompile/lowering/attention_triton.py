@@ -426,16 +426,23 @@ def _pad(d: int) -> int:
 
 # GPU tiles: GPU_TILES[kernel][arch][bucket] = (BLOCK_M, BLOCK_N, num_warps, num_stages) for head
 # widths max(dqk, dv) <= bucket. fwd / bwd_q own BLOCK_M queries and loop over BLOCK_N keys;
-# bwd_kv owns BLOCK_N keys and loops over BLOCK_M queries. sm_90 (wgmma) needs M >= 64 per
-# warpgroup in every tl.dot, sm_80 (mma.sync) does not, hence a table per arch.
-GPU_TILES = {  # python -m grcompile.lowering.tile_sweep (bf16, the score_mods of aot_cases); "?" = not swept
+# bwd_kv owns BLOCK_N keys and loops over BLOCK_M queries. On sm_90 a tl.dot runs on wgmma only
+# with M >= 64 (fwd / bwd_q: BLOCK_M; bwd_kv: BLOCK_M for q·kᵀ, do·vᵀ and BLOCK_N for dk, dv), else
+# on mma.sync; sm_80 has mma.sync alone: hence a table per arch.
+# Chosen by `python -m grcompile.lowering.tile_sweep --arch sm_80,sm_90 --bucket 64,128,256` (bf16,
+# every score_mod of aot_cases at width = bucket; the rule is in that module's docstring): no
+# spills and the arch's MMA alone where some tile has them, the most work per program (BM·BN),
+# then the fewest registers. Exceptions, all on sm_90:
+#   bwd_kv 64 / 128: no spill-free tile with wgmma for all four dots: q·kᵀ, do·vᵀ on mma.sync;
+#   bwd_q 128: no spill-free wgmma tile: the per-head time-bucket table spills 64 B (HSTU none);
+#   256 (all kernels): no wgmma tile keeps even the plain kernel spill-free: mma.sync tiles.
+GPU_TILES = {
     "fwd": {"sm_80": {64: (32, 128, 8, 3), 128: (32, 64, 8, 3), 256: (16, 64, 8, 3)},
-            "sm_90": {64: (64, 64, 8, 3), 128: (64, 32, 8, 2), 256: (64, 16, 8, 2)}},  # 256: spills (best found)
+            "sm_90": {64: (64, 64, 8, 3), 128: (64, 32, 8, 2), 256: (16, 64, 8, 3)}},
     "bwd_kv": {"sm_80": {64: (64, 32, 8, 3), 128: (64, 32, 8, 3), 256: (32, 16, 8, 3)},
-               # sm_90: no spill-free tile with wgmma only; these mix mma.sync and wgmma; 256: "?"
-               "sm_90": {64: (32, 64, 8, 1), 128: (16, 64, 8, 3), 256: (16, 64, 8, 3)}},
-    "bwd_q": {"sm_80": {64: (32, 128, 8, 3), 128: (32, 64, 8, 3), 256: (16, 64, 8, 3)},  # 256: "?"
-              "sm_90": {64: (64, 32, 8, 2), 128: (64, 16, 8, 2), 256: (64, 16, 8, 2)}},  # "?" (not swept)
+               "sm_90": {64: (32, 64, 8, 1), 128: (16, 64, 8, 3), 256: (16, 32, 8, 2)}},
+    "bwd_q": {"sm_80": {64: (32, 128, 8, 3), 128: (32, 64, 8, 3), 256: (32, 32, 8, 3)},
+              "sm_90": {64: (128, 32, 8, 3), 128: (64, 16, 8, 2), 256: (16, 64, 8, 2)}},
 }
 HEAD_BUCKETS = (64, 128, 256)
 

@@ -16,12 +16,13 @@ the fewest registers (the most of any score_mod), then more stages. A tile stops
 failing score_mod (the heaviest are compiled first).
 
 When no tile passes, every tile whose plain kernel (SASRec, no score_mod) compiles without
-spills is compiled for every score_mod (up to its first spill once some tile is spill-free for
-all), and the least-spilling one is chosen: plain kernel
-spill-free first, then the fewest spilling score_mods, the fewest spilled bytes (summed), the
-arch's MMA only over mixed over none (sm_90: a spill-free ``mma.sync`` tile beats a spilling
-``wgmma`` one), larger tiles, fewer registers. Such a choice is printed as ``SPILLS`` and / or
-``MMA`` (not only the arch's tensor-core instruction).
+spills is compiled for every score_mod (up to its first spill once some tile with the arch's
+MMA is spill-free for all), and the least-spilling one is chosen: plain kernel spill-free first,
+then the arch's tensor-core MMA in the PTX (a sm_90 tile on ``mma.sync`` alone is taken only when
+no ``wgmma`` tile keeps the plain kernel spill-free: d = 256), the fewest spilling score_mods, the
+fewest spilled bytes (summed), the arch's MMA alone over mixed (sm_90 ``wgmma`` + ``mma.sync``:
+a tl.dot with M < 64 stays on ``mma.sync``), larger tiles, fewer registers. Such a choice is
+printed as ``SPILLS`` and / or ``MMA`` (not only the arch's tensor-core instruction).
 """
 from __future__ import annotations
 
@@ -42,8 +43,13 @@ ORDER = ("hstu", "time_bucket_per_head", "fuxi_positional", "sasrec")
 PLAIN = "sasrec"
 
 
-def tiles() -> list[tuple[int, int, int, int]]:
-    return list(itertools.product(SIZES, SIZES, WARPS, STAGES))
+# At head width 256 tiles above 64 x 64 are not tried: every one tried spilled at least 1.4 KB
+# (fwd sm_80 / sm_90, bwd_kv sm_80), and they are the slowest to compile.
+MAX_AREA = {256: 64 * 64}
+
+
+def tiles(bucket: int = 64) -> list[tuple[int, int, int, int]]:
+    return [t for t in itertools.product(SIZES, SIZES, WARPS, STAGES) if t[0] * t[1] <= MAX_AREA.get(bucket, 1 << 30)]
 
 
 def _summary(record: dict[str, Any]) -> dict[str, Any]:
@@ -88,7 +94,7 @@ class Sweep:
     def run(self) -> dict[str, Any]:
         start = time.perf_counter()
         by_area: dict[int, list] = {}
-        for tile in tiles():
+        for tile in tiles(self.bucket):
             by_area.setdefault(tile[0] * tile[1], []).append(tile)
         for area in sorted(by_area, reverse=True):
             passing = [t for t in by_area[area] if self.evaluate(t, self.models, stop=True)]
@@ -96,14 +102,15 @@ class Sweep:
                 chosen = min(passing, key=lambda t: (self.max_regs(t), -t[3], t[2]))
                 return self.report(chosen, start=start, passing=passing)
         # nothing passes: the least-spilling tile whose plain kernel passes
-        clean = False  # some tile is spill-free everywhere: a spilling tile can stop at its first spill
-        for tile in tiles():  # small tiles first: they find a spill-free one soonest
+        # once some tile with the arch's MMA is spill-free everywhere, a tile stops at its first spill
+        clean = False
+        for tile in tiles(self.bucket):  # small tiles first: they find a spill-free one soonest
             plain = self.compile(tile, PLAIN)
             if plain["spill_bytes"] == 0 and not plain["hard"]:
                 spill_free = True
                 for model in self.models:
                     r = self.compile(tile, model)
-                    spill_free &= r["spill_bytes"] == 0 and not r["hard"]
+                    spill_free &= r["spill_bytes"] == 0 and not r["hard"] and r["mma_level"] < 2
                     if not spill_free and clean:
                         break
                 clean |= spill_free
@@ -112,9 +119,9 @@ class Sweep:
             res = self.results[t]
             plain = res[PLAIN]["spill_bytes"] > 0 or bool(res[PLAIN]["hard"])
             spilling = [m for m in self.models if m not in res or res[m]["spill_bytes"]]
-            return (any(r["hard"] for r in res.values()), plain, len(spilling),
-                    sum(r["spill_bytes"] for r in res.values()), max(r["mma_level"] for r in res.values()),
-                    -t[0] * t[1], self.max_regs(t))
+            level = max(r["mma_level"] for r in res.values())
+            return (any(r["hard"] for r in res.values()), plain, level == 2, len(spilling),
+                    sum(r["spill_bytes"] for r in res.values()), level, -t[0] * t[1], self.max_regs(t))
         chosen = min(self.results, key=rank)
         return self.report(chosen, start=start, passing=[])
 

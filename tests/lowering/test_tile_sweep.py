@@ -1,0 +1,59 @@
+"""The tile sweep's choice rule (``python -m grcompile.lowering.tile_sweep``), on made-up compile
+results: no compiling here (the real sweep takes about an hour per arch on two cores)."""
+from __future__ import annotations
+
+from grcompile.lowering import tile_sweep as ts
+
+
+class FakeSweep(ts.Sweep):
+    """``fake(tile, model) -> (registers, spill bytes, MMA level)`` stands for the compile."""
+
+    def __init__(self, kernel, arch, bucket, fake):
+        super().__init__(kernel, arch, bucket)
+        self.fake, self.calls = fake, []
+
+    def compile(self, tile, model):
+        done = self.results.setdefault(tile, {})
+        if model not in done:
+            self.calls.append((tile, model))
+            regs, spill, level = self.fake(tile, model)
+            done[model] = {"registers": regs, "spill_bytes": spill, "shared_bytes": 0, "mma": [], "hard": [],
+                           "mma_level": level, "passes": spill == 0 and level == 0, "seconds": 0.0}
+        return done[model]
+
+
+def test_largest_passing_tile_then_fewest_registers():
+    def fake(tile, model):
+        bm, bn, warps, stages = tile
+        return 200 - bm, 0 if bm * bn <= 2048 and warps == 8 else 96, 0
+    sweep = FakeSweep("fwd", "sm_80", 64, fake)
+    r = sweep.run()
+    assert tuple(r["tile"]) == (128, 16, 8, 3) and not r["spills"] and r["mma_level"] == 0
+    assert sorted(map(tuple, r["passing_same_size"])) == sorted(
+        (bm, bn, 8, s) for bm, bn in ((16, 128), (32, 64), (64, 32), (128, 16)) for s in (1, 2, 3))
+    assert set(sweep.models) == {"hstu", "time_bucket_per_head", "fuxi_positional", "sasrec"}
+    # a failing tile stops at its first score_mod; smaller sizes than the winner are never compiled
+    assert all(len(res) == 1 for t, res in sweep.results.items() if t[0] * t[1] > 2048 or t[2] == 4)
+    assert all(t[0] * t[1] >= 2048 for t in sweep.results)
+
+
+def test_no_spill_free_wgmma_tile_at_256_takes_a_spill_free_mma_sync_one():
+    def fake(tile, model):  # sm_90: BLOCK_M < 64 is mma.sync alone (level 2), BLOCK_M >= 64 spills
+        bm, bn, _, _ = tile
+        return 250 - bn, (100 if bm >= 64 else 0), (0 if bm >= 64 else 2)
+    sweep = FakeSweep("bwd_q", "sm_90", 256, fake)
+    r = sweep.run()
+    bm, bn, _, _ = r["tile"]
+    assert bm < 64 and bm * bn == ts.MAX_AREA[256] and bn == 128 and r["mma_level"] == 2 and not r["spills"]
+    assert all(t[0] * t[1] <= ts.MAX_AREA[256] for t in sweep.results)  # larger tiles are not tried at 256
+
+
+def test_wgmma_with_the_least_spill_beats_mma_sync_when_the_plain_kernel_fits():
+    def fake(tile, model):  # BLOCK_M >= 64: wgmma, the plain kernel fits, score_mods spill by tile size
+        bm, bn, _, _ = tile
+        if bm < 64:
+            return 200, 0, 2
+        return 255, (0 if model == ts.PLAIN else bm * bn // 64), 0
+    r = FakeSweep("fwd", "sm_90", 128, fake).run()
+    assert r["tile"][:2] == [64, 16] and r["spills"] and r["mma_level"] == 0
+    assert r["per_model"][ts.PLAIN]["spill_bytes"] == 0 and r["per_model"]["hstu"]["spill_bytes"] == 16
