@@ -341,10 +341,24 @@ class _Gen:
         return value
 
 
+def _op_name(node: fx.Node) -> str:
+    """``add``, ``clamp``, ... for a method call or a function target alike."""
+    t = node.target
+    return t if isinstance(t, str) else getattr(t, "__name__", "")
+
+
+def _clamp_bounds(node: fx.Node) -> tuple[Any, Any]:
+    """``(min, max)`` of a clamp / clip / clamp_min / clamp_max call (None where absent)."""
+    if _op_name(node) == "clamp_max":
+        return None, node.args[1]
+    lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
+    hi = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
+    return lo, hi
+
+
 def _interval(node: fx.Node, args: list) -> Optional[tuple[int, int]]:
     """A proven range of an integer op's result from its arguments' ranges, else None."""
-    t = node.target
-    name = t if isinstance(t, str) else getattr(t, "__name__", "")
+    name = _op_name(node)
     a = args[0] if args else None
     b = args[1] if len(args) > 1 else None
     if name in ("add", "__radd__") and a and b:
@@ -362,10 +376,7 @@ def _interval(node: fx.Node, args: list) -> Optional[tuple[int, int]]:
         lo = 0 if a[0] <= 0 <= a[1] else min(abs(a[0]), abs(a[1]))
         return lo, max(abs(a[0]), abs(a[1]))
     if name in ("clamp", "clip", "clamp_min", "clamp_max"):
-        lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
-        hi = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
-        if name == "clamp_max":
-            lo, hi = None, node.args[1]
+        lo, hi = _clamp_bounds(node)
         lo = lo if isinstance(lo, int) and not isinstance(lo, bool) else None
         hi = hi if isinstance(hi, int) and not isinstance(hi, bool) else None
         if a is None:
@@ -434,12 +445,7 @@ def _masked_fill(gen: _Gen, node: fx.Node, roles):
 
 def _clamp(gen: _Gen, node: fx.Node, roles):
     x = gen.arg(node.args[0])
-    lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
-    hi = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
-    if node.target in ("clamp_min",) or node.target is torch.clamp_min:
-        lo, hi = node.args[1], None
-    if node.target in ("clamp_max",) or node.target is torch.clamp_max:
-        lo, hi = None, node.args[1]
+    lo, hi = _clamp_bounds(node)
     expr = x.expr
     if lo is not None:
         lo_v = gen.arg(lo)
@@ -477,13 +483,6 @@ def _full_like(value: Optional[float]) -> Callable:
 
 def _getitem(gen: _Gen, node: fx.Node, roles):
     return gen.lookup(node, roles)
-
-
-def _to(gen: _Gen, node: fx.Node, roles):
-    dtype = next((a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, torch.dtype)), None)
-    if dtype is None and any(isinstance(a, (torch.device, str)) for a in node.args[1:]):
-        dtype = None
-    return gen.emit(gen.arg(node.args[0]).expr, node, roles)
 
 
 def _pow(gen: _Gen, node: fx.Node, roles):
@@ -607,7 +606,7 @@ _METHODS: dict[str, Callable] = {
     "__radd__": _reflected("+"), "__rsub__": _reflected("-"), "__rmul__": _reflected("*"),
     "neg": _neg, "abs": _unary(_ANY_UNARY["abs"], float_only=False), "relu": _unary(_ANY_UNARY["relu"], float_only=False),
     "float": _cast, "double": _cast, "long": _cast, "int": _cast, "half": _cast, "bfloat16": _cast,
-    "bool": _cast, "to": _to, "type": _to, "type_as": _cast, "masked_fill": _masked_fill, "clamp": _clamp,
+    "bool": _cast, "to": _cast, "type": _cast, "type_as": _cast, "masked_fill": _masked_fill, "clamp": _clamp,
     "clamp_min": _clamp, "clamp_max": _clamp, "clip": _clamp, "log1p": _log1p, "pow": _pow,
     "lt": _binary("<"), "le": _binary("<="), "gt": _binary(">"), "ge": _binary(">="), "eq": _binary("=="),
     "ne": _binary("!="), "logical_not": _invert, "minimum": _minmax("min"), "maximum": _minmax("max"),
@@ -620,6 +619,15 @@ for _name, _tpl in _FLOAT_UNARY.items():
 
 # --------------------------------------------------------------------------------------------
 # reverse mode
+
+
+# d(y = f(x)) for pointwise f: the adjoint g times f'(x), written with x and y
+_UNARY_GRAD = {
+    "exp": "{g} * {y}", "log": "{g} / {x}", "log1p": "{g} / (1.0 + {x})",
+    "log2": "{g} / ({x} * 0.6931471805599453)", "exp2": "{g} * {y} * 0.6931471805599453",
+    "sqrt": "{g} * 0.5 / {y}", "rsqrt": "{g} * -0.5 * {y} * {y} * {y}",
+    "sigmoid": "{g} * {y} * (1.0 - {y})", "tanh": "{g} * (1.0 - {y} * {y})",
+}
 
 
 class _Backward:
@@ -697,7 +705,7 @@ class _Backward:
         roles = v.roles
         args = node.args
         t = node.target
-        name = t if isinstance(t, str) else getattr(t, "__name__", "")
+        name = _op_name(node)
         lookup = getattr(v, "lookup", None)
         if lookup is not None:
             slot, off, inb = lookup
@@ -737,10 +745,7 @@ class _Backward:
         elif name == "masked_fill":
             self.add(args[0], f"tl.where({x(1)}, 0.0, {g})", roles)
         elif name in ("clamp", "clip", "clamp_min", "clamp_max"):
-            lo = args[1] if len(args) > 1 else node.kwargs.get("min")
-            hi = args[2] if len(args) > 2 else node.kwargs.get("max")
-            if name == "clamp_max":
-                lo, hi = None, args[1]
+            lo, hi = _clamp_bounds(node)
             keep = ["(1 == 1)"]
             if lo is not None:
                 keep.append(f"({x(0)} >= {gen.arg(lo).expr})")
@@ -754,20 +759,8 @@ class _Backward:
             self.add(args[1], f"tl.where({a} == {b}, {g} * 0.5, tl.where({a} {win} {b}, 0.0, {g}))", roles)
         elif name == "abs":
             self.add(args[0], f"tl.where({x(0)} > 0, {g}, tl.where({x(0)} < 0, -{g}, 0.0))", roles)
-        elif name == "exp":
-            self.add(args[0], f"{g} * {v.expr}", roles)
-        elif name == "log":
-            self.add(args[0], f"{g} / {x(0)}", roles)
-        elif name == "log1p":
-            self.add(args[0], f"{g} / (1.0 + {x(0)})", roles)
-        elif name == "sqrt":
-            self.add(args[0], f"{g} * 0.5 / {v.expr}", roles)
-        elif name == "rsqrt":
-            self.add(args[0], f"{g} * -0.5 * {v.expr} * {v.expr} * {v.expr}", roles)
-        elif name == "sigmoid":
-            self.add(args[0], f"{g} * {v.expr} * (1.0 - {v.expr})", roles)
-        elif name == "tanh":
-            self.add(args[0], f"{g} * (1.0 - {v.expr} * {v.expr})", roles)
+        elif name in _UNARY_GRAD:
+            self.add(args[0], _UNARY_GRAD[name].format(g=g, x=x(0), y=v.expr), roles)
         elif name == "silu":
             sg = gen.fresh("sg")
             self.lines.append(f"{sg} = 1.0 / (1.0 + tl.exp(-{x(0)}))")
@@ -780,10 +773,6 @@ class _Backward:
             d = {2: f"2.0 * {xv}", 3: f"3.0 * {xv} * {xv}", 0.5: f"0.5 / {v.expr}",
                  -0.5: f"-0.5 * {v.expr} / {xv}", -1: f"-{v.expr} * {v.expr}", 1: "1.0"}[e]
             self.add(args[0], f"{g} * {d}", roles)
-        elif name == "log2":
-            self.add(args[0], f"{g} / ({x(0)} * 0.6931471805599453)", roles)
-        elif name == "exp2":
-            self.add(args[0], f"{g} * {v.expr} * 0.6931471805599453", roles)
         elif name in ("mod", "remainder", "__mod__"):  # a - floor(a / b) * b
             self.add(args[0], g, roles)
             self.add(args[1], f"-{g} * tl.floor({x(0)} / {x(1)})", roles)
