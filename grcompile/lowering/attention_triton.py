@@ -77,6 +77,24 @@ def _keep(seed, q_tok, k_tok, head, H, threshold):
 
 
 @triton.jit
+def _tile_ptrs(base, tok, stride_t, head, stride_h, cols):
+    """Pointers to ``base[tok, head, cols]`` of a [tokens, heads, width] tensor: a [rows, cols] tile."""
+    return base + tok[:, None] * stride_t + head * stride_h + cols[None, :]
+
+
+@triton.jit
+def _load_tile(base, tok, ok, stride_t, head, stride_h, cols, width):
+    return tl.load(_tile_ptrs(base, tok, stride_t, head, stride_h, cols),
+                   mask=ok[:, None] & (cols[None, :] < width), other=0.0)
+
+
+@triton.jit
+def _store_tile(base, tok, ok, stride_t, head, stride_h, cols, width, value):
+    tl.store(_tile_ptrs(base, tok, stride_t, head, stride_h, cols), value.to(base.dtype.element_ty),
+             mask=ok[:, None] & (cols[None, :] < width))
+
+
+@triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
     # IEEE: 0 tensor-core native (bf16 / fp16), 1 fp32 without tf32, 2 both operands upcast to fp32
     # (the interpreter's bf16 dot is wrong; bf16 products are exact in fp32, so only the order of
@@ -111,8 +129,7 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
     q_tok = start + offs_m
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + q_tok[:, None] * stride_qt + head * stride_qh + dqk[None, :],
-                mask=q_ok[:, None] & (dqk[None, :] < DQK), other=0.0)
+    q = _load_tile(Q, q_tok, q_ok, stride_qt, head, stride_qh, dqk, DQK)
     q_pos = tl.load(POS + q_tok, mask=q_ok, other=0).to(tl.int32)[:, None]
 {load_q_sides}
     seed = tl.load(SEED) if DROPOUT else 0
@@ -125,16 +142,14 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k_ok = offs_n < L
         k_tok = start + offs_n
-        v = tl.load(V + k_tok[:, None] * stride_vt + head * stride_vh + dv[None, :],
-                    mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        v = _load_tile(V, k_tok, k_ok, stride_vt, head, stride_vh, dv, DV)
         k_pos = tl.load(POS + k_tok, mask=k_ok, other=0).to(tl.int32)[None, :]
 {load_k_sides}
         PAIR = q_ok[:, None] & k_ok[None, :]
         QOK = q_ok[:, None]
         KOK = k_ok[None, :]
         if USE_QK:
-            k = tl.load(K + k_tok[:, None] * stride_kt + head * stride_kh + dqk[None, :],
-                        mask=k_ok[:, None] & (dqk[None, :] < DQK), other=0.0)
+            k = _load_tile(K, k_tok, k_ok, stride_kt, head, stride_kh, dqk, DQK)
             s = _dot(q, tl.trans(k), IEEE) * scale
         else:
             s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -164,8 +179,7 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
         lse = tl.where(live, m_i + tl.log(tl.where(live, l_i, 1.0)), float("inf"))
         tl.store(LSE + q_tok * H + head, lse, mask=q_ok)
     acc = acc * out_scale
-    tl.store(O + q_tok[:, None] * stride_ot + head * stride_oh + dv[None, :], acc.to(O.dtype.element_ty),
-             mask=q_ok[:, None] & (dv[None, :] < DV))
+    _store_tile(O, q_tok, q_ok, stride_ot, head, stride_oh, dv, DV, acc)
     if oob != 0:
         tl.atomic_max(OOB, 1)
 '''
@@ -222,10 +236,8 @@ def bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, OFFS, POS, SEED, {extra_params} 
     k_tok = start + offs_n
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
-    k = tl.load(K + k_tok[:, None] * stride_kt + head * stride_kh + dqk[None, :],
-                mask=k_ok[:, None] & (dqk[None, :] < DQK), other=0.0)
-    v = tl.load(V + k_tok[:, None] * stride_vt + head * stride_vh + dv[None, :],
-                mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    k = _load_tile(K, k_tok, k_ok, stride_kt, head, stride_kh, dqk, DQK)
+    v = _load_tile(V, k_tok, k_ok, stride_vt, head, stride_vh, dv, DV)
     k_pos = tl.load(POS + k_tok, mask=k_ok, other=0).to(tl.int32)[None, :]
 {load_k_sides}
     seed = tl.load(SEED) if DROPOUT else 0
@@ -237,10 +249,8 @@ def bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, OFFS, POS, SEED, {extra_params} 
         offs_m = m0 + tl.arange(0, BLOCK_M)
         q_ok = offs_m < L
         q_tok = start + offs_m
-        q = tl.load(Q + q_tok[:, None] * stride_qt + head * stride_qh + dqk[None, :],
-                    mask=q_ok[:, None] & (dqk[None, :] < DQK), other=0.0)
-        do = tl.load(DO + q_tok[:, None] * stride_ot + head * stride_oh + dv[None, :],
-                     mask=q_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        q = _load_tile(Q, q_tok, q_ok, stride_qt, head, stride_qh, dqk, DQK)
+        do = _load_tile(DO, q_tok, q_ok, stride_ot, head, stride_oh, dv, DV)
         q_pos = tl.load(POS + q_tok, mask=q_ok, other=0).to(tl.int32)[:, None]
         if ACT == 2:
             lse = tl.load(LSE + q_tok * H + head, mask=q_ok, other=float("inf"))
@@ -251,11 +261,8 @@ def bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, OFFS, POS, SEED, {extra_params} 
         if USE_QK:
             dk_acc = dk_acc + _dot(tl.trans(g_s.to(q.dtype)), q, IEEE)
 {acc_k_side_grads}
-    kv_mask = k_ok[:, None]
-    tl.store(DK + k_tok[:, None] * stride_kt + head * stride_kh + dqk[None, :], (dk_acc * scale).to(DK.dtype.element_ty),
-             mask=kv_mask & (dqk[None, :] < DQK))
-    tl.store(DV_OUT + k_tok[:, None] * stride_vt + head * stride_vh + dv[None, :], dv_acc.to(DV_OUT.dtype.element_ty),
-             mask=kv_mask & (dv[None, :] < DV))
+    _store_tile(DK, k_tok, k_ok, stride_kt, head, stride_kh, dqk, DQK, (dk_acc * scale))
+    _store_tile(DV_OUT, k_tok, k_ok, stride_vt, head, stride_vh, dv, DV, dv_acc)
 {store_k_side_grads}
 '''
 
@@ -281,10 +288,8 @@ def bwd_q(Q, K, V, DO, LSE, DELTA, DQ, OFFS, POS, SEED, {extra_params} {grad_par
     q_tok = start + offs_m
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + q_tok[:, None] * stride_qt + head * stride_qh + dqk[None, :],
-                mask=q_ok[:, None] & (dqk[None, :] < DQK), other=0.0)
-    do = tl.load(DO + q_tok[:, None] * stride_ot + head * stride_oh + dv[None, :],
-                 mask=q_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    q = _load_tile(Q, q_tok, q_ok, stride_qt, head, stride_qh, dqk, DQK)
+    do = _load_tile(DO, q_tok, q_ok, stride_ot, head, stride_oh, dv, DV)
     q_pos = tl.load(POS + q_tok, mask=q_ok, other=0).to(tl.int32)[:, None]
     if ACT == 2:
         lse = tl.load(LSE + q_tok * H + head, mask=q_ok, other=float("inf"))
@@ -298,18 +303,15 @@ def bwd_q(Q, K, V, DO, LSE, DELTA, DQ, OFFS, POS, SEED, {extra_params} {grad_par
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k_ok = offs_n < L
         k_tok = start + offs_n
-        k = tl.load(K + k_tok[:, None] * stride_kt + head * stride_kh + dqk[None, :],
-                    mask=k_ok[:, None] & (dqk[None, :] < DQK), other=0.0)
-        v = tl.load(V + k_tok[:, None] * stride_vt + head * stride_vh + dv[None, :],
-                    mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        k = _load_tile(K, k_tok, k_ok, stride_kt, head, stride_kh, dqk, DQK)
+        v = _load_tile(V, k_tok, k_ok, stride_vt, head, stride_vh, dv, DV)
         k_pos = tl.load(POS + k_tok, mask=k_ok, other=0).to(tl.int32)[None, :]
 {load_k_sides_inner}
 {pair}
         if USE_QK:
             dq_acc = dq_acc + _dot(g_s.to(k.dtype), k, IEEE)
 {acc_q_side_grads}
-    tl.store(DQ + q_tok[:, None] * stride_qt + head * stride_qh + dqk[None, :], (dq_acc * scale).to(DQ.dtype.element_ty),
-             mask=q_ok[:, None] & (dqk[None, :] < DQK))
+    _store_tile(DQ, q_tok, q_ok, stride_qt, head, stride_qh, dqk, DQK, (dq_acc * scale))
 {store_q_side_grads}
 '''
 
