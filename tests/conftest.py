@@ -20,4 +20,6 @@ os.environ.setdefault("GRCOMPILE_COMPILE_CHUNKS", "0")
 # Triton kernels run on CPU tensors only in Triton's interpreter, which Triton reads when it is
 # imported (``import torch._dynamo`` imports it): set here, before anything imports torch. It only
 # matters where a test asks for the Triton backend (``use_backend("triton")``, tests/lowering).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# ``GRCOMPILE_TEST_DEVICE=cuda`` (on a GPU machine) runs the kernel-vs-reference tests natively.
+if os.environ.get("GRCOMPILE_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")

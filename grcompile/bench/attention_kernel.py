@@ -117,6 +117,68 @@ def run(args) -> dict[str, Any]:
     return result
 
 
+def sdpa_baseline(args) -> dict[str, Any]:
+    """torch's own fused attention (FlashAttention-2 in PyTorch's CUDA build) on the same shape:
+    causal softmax, no bias, one ``[rows, heads, tokens, d]`` batch: the library kernel a user
+    would otherwise call, timed the same way, FLOPs counted the same way."""
+    import torch.nn.functional as F
+    from grcompile.lowering.aot import attention_cost
+
+    device = torch.device(args.device)
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    shape = (args.rows, args.heads, args.tokens, args.head_dim)
+    q, k, v = ((torch.randn(*shape, generator=gen) * 0.3).to(device=device, dtype=DTYPES[args.dtype])
+               .requires_grad_() for _ in range(3))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.randn_like(out)
+    fwd_s = _time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), args.iters, args.warmup, device)
+
+    def fwd_bwd():
+        torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad)
+    bwd_s = _time(fwd_bwd, args.iters, args.warmup, device) - fwd_s
+    cost = attention_cost(args.tokens, args.heads, args.head_dim, args.head_dim, causal=True)
+    peak = _peak(device)
+    result = {}
+    for name, seconds in (("fwd", fwd_s), ("bwd", bwd_s)):
+        flops = cost[name]["flops"] * args.rows
+        result[name] = {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12,
+                        "mfu": None if peak is None else flops / seconds / peak}
+    return result
+
+
+# native tile candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) for --sweep: whole warpgroups,
+# the tiles the AOT sweep found spill-free on sm_90 and the usual flash-attention shapes
+SWEEP_TILES = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3),
+               (128, 128, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3), (64, 16, 8, 2), (32, 64, 4, 3), (16, 64, 8, 3)]
+
+
+def sweep(args, kernels: tuple[str, ...] = ("fwd", "bwd_kv", "bwd_q")) -> list[dict[str, Any]]:
+    """Time each kernel under each of ``SWEEP_TILES`` (``GRCOMPILE_TILES_<KERNEL>``), the other
+    kernels at their table tiles: fwd through the forward call, bwd_kv and bwd_q through the
+    backward call. A tile that does not compile or launch (shared memory) is recorded as failed."""
+    from grcompile.lowering.attention_triton import attention_backward_triton, attention_triton
+
+    device = torch.device(args.device)
+    inputs, kwargs = _inputs(args, device)
+    grad = torch.randn_like(attention_triton(*inputs, **kwargs))
+    rows = []
+    for kernel in kernels:
+        call = (lambda: attention_triton(*inputs, **kwargs)) if kernel == "fwd" else \
+            (lambda: attention_backward_triton(grad, *inputs, **kwargs))
+        for tile in SWEEP_TILES:
+            os.environ[f"GRCOMPILE_TILES_{kernel.upper()}"] = ",".join(map(str, tile))
+            try:
+                ms = _time(call, args.iters, args.warmup, device) * 1e3
+                rows.append({"kernel": kernel, "tile": tile, "ms": ms})
+            except Exception as exc:  # a tile over the shared memory, or a compile failure
+                rows.append({"kernel": kernel, "tile": tile, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            finally:
+                del os.environ[f"GRCOMPILE_TILES_{kernel.upper()}"]
+            r = rows[-1]
+            print(f"  sweep {kernel} {tile}: " + (f"{r['ms']:.3f} ms" if "ms" in r else r["error"]), flush=True)
+    return rows
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m grcompile.bench.attention_kernel", description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=8192, help="tokens per row (every row full)")
@@ -131,9 +193,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--baseline", action="store_true",
+                   help="also time torch's scaled_dot_product_attention (causal softmax, no bias) on CUDA")
+    p.add_argument("--sweep", default="", metavar="fwd,bwd_kv,bwd_q",
+                   help="time these kernels under each SWEEP_TILES tile (CUDA)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     result = run(args)
+    if args.baseline and not result["interpreter"]:
+        result["sdpa_baseline"] = sdpa_baseline(args)
+    if args.sweep and not result["interpreter"]:
+        result["sweep"] = sweep(args, tuple(k for k in args.sweep.split(",") if k))
     what = "interpreter (not a speed)" if result["interpreter"] else result["device"]
     print(f"grcompile attention kernels, {args.rows} x {args.tokens} tokens, {args.heads} heads x {args.head_dim}, "
           f"{args.dtype}, bias {args.bias}, {args.activation}, on {what}")
@@ -141,6 +211,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         r = result[name]
         mfu = "" if r["mfu"] is None else f", MFU {r['mfu']:.1%}"
         print(f"  {name}: {r['ms']:.3f} ms, {r['tflops']:.2f} TFLOP/s useful{mfu}")
+    for name, r in result.get("sdpa_baseline", {}).items():
+        mfu = "" if r["mfu"] is None else f", MFU {r['mfu']:.1%}"
+        print(f"  torch sdpa {name} (causal softmax, no bias): {r['ms']:.3f} ms, {r['tflops']:.2f} TFLOP/s{mfu}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

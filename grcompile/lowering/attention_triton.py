@@ -133,7 +133,7 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
     q_pos = tl.load(POS + q_tok, mask=q_ok, other=0).to(tl.int32)[:, None]
 {load_q_sides}
     seed = tl.load(SEED) if DROPOUT else 0
-    oob = tl.zeros([], tl.int32)
+    oob = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)  # pairs whose table index is out of range
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -180,7 +180,7 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
         tl.store(LSE + q_tok * H + head, lse, mask=q_ok)
     acc = acc * out_scale
     _store_tile(O, q_tok, q_ok, stride_ot, head, stride_oh, dv, DV, acc)
-    if oob != 0:
+    if tl.max(tl.max(oob, 1), 0) != 0:
         tl.atomic_max(OOB, 1)
 '''
 
@@ -193,7 +193,7 @@ _BWD_PAIR = '''\
             s = _dot(q, tl.trans(k), IEEE) * scale
         else:
             s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        oob = tl.zeros([], tl.int32)
+        oob = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)  # the forward reported these; unused here
 {score_mod}
         allowed = PAIR & (k_pos <= q_pos) if CAUSAL else PAIR
         w = out_scale
@@ -241,6 +241,7 @@ def bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, OFFS, POS, SEED, {extra_params} 
     k_pos = tl.load(POS + k_tok, mask=k_ok, other=0).to(tl.int32)[None, :]
 {load_k_sides}
     seed = tl.load(SEED) if DROPOUT else 0
+    rep = (pid_n + tl.num_programs(0) * (row + tl.num_programs(1) * head)) % NREP  # table-gradient replica
     dk_acc = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 {init_k_side_grads}
@@ -343,7 +344,7 @@ def _render(code: Optional[ScoreModCode], n_q: int, n_k: int, table_ranks: list[
     fk = code.float_k_sides if code else []
     ft = code.float_tables if code else []
     grad_params = "".join(f"DQS{i}, " for i in fq) + "".join(f"DKS{i}, " for i in fk) + \
-        "".join(f"dtab{t}, " for t in ft)
+        "".join(f"dtab{t}, " for t in ft) + "NREP, "
     head_line = []
     forward = code.forward if code else ["s_mod = s"]
     backward = list(code.backward) if code else ["g_s = g_mod"]
@@ -520,21 +521,74 @@ def _common(q, k, v, offsets, positions, seed, *, activation, causal, use_qk, sc
                 IEEE=2 if q.device.type == "cpu" else int(q.dtype == torch.float32)), seed_t
 
 
+TABLE_GRAD_REPLICAS = int(os.environ.get("GRCOMPILE_TABLE_GRAD_REPLICAS", "32"))  # at most; see table_grad_lines
+TABLE_GRAD_BYTES = 64 << 20  # the replicas' memory, at most
+
+
+def _table_grad_replicas(numels: list[int], programs: int) -> int:
+    """How many copies of the float tables' gradients bwd_kv's programs spread their atomics over:
+    up to TABLE_GRAD_REPLICAS, no more than programs, within TABLE_GRAD_BYTES and int32 offsets."""
+    if not numels:
+        return 1
+    fits = min(TABLE_GRAD_BYTES // max(1, 4 * sum(numels)), (1 << 31) // max(1, max(numels)))
+    return max(1, min(TABLE_GRAD_REPLICAS, programs, fits))
+
+
+# (module, kernel, dtype, DQK, DV) -> the tile that fit, after the table's did not (see _launch)
+_FITTED: dict[tuple, tuple[dict, int, int]] = {}
+
+
+def _fallback_tiles(blocks: dict, warps: int, stages: int):
+    """Smaller tiles to try when ``blocks`` needs more shared memory than the device has (float32
+    inputs double the bf16 tiles' footprint): one pipeline stage, then halving the larger block."""
+    yield blocks, warps, 1
+    bm, bn = blocks["BLOCK_M"], blocks["BLOCK_N"]
+    while max(bm, bn) > 16:
+        bm, bn = (bm // 2, bn) if bm >= bn else (bm, bn // 2)
+        yield dict(blocks, BLOCK_M=bm, BLOCK_N=bn), warps, 1
+
+
 def _launch(module, kernel: str, meta: dict, max_len: int, B: int, *args) -> None:
-    blocks, warps, stages = launch_config(kernel, meta["DQK"], meta["DV"], args[0].device)
-    block = blocks["BLOCK_N"] if kernel == "bwd_kv" else blocks["BLOCK_M"]
-    getattr(module, kernel)[(math.ceil(max_len / block), B, meta["H"])](*args, **meta, **blocks, num_warps=warps,
-                                                                         num_stages=stages)
+    """Launch ``kernel`` with its table tile; a tile the device's shared memory cannot hold is
+    replaced by a smaller one (remembered), and TritonFallback when none fits."""
+    from triton.runtime.errors import OutOfResources
+
+    key = (module.__name__, kernel, args[0].dtype, meta["DQK"], meta["DV"])
+    first = _FITTED.get(key) or launch_config(kernel, meta["DQK"], meta["DV"], args[0].device)
+    last = None
+    for blocks, warps, stages in (first, *_fallback_tiles(*first)):
+        block = blocks["BLOCK_N"] if kernel == "bwd_kv" else blocks["BLOCK_M"]
+        try:
+            getattr(module, kernel)[(math.ceil(max_len / block), B, meta["H"])](*args, **meta, **blocks,
+                                                                                 num_warps=warps, num_stages=stages)
+        except OutOfResources as exc:  # raised while loading the compiled kernel, before it runs
+            last = exc
+            continue
+        if (blocks, warps, stages) != first:
+            _FITTED[key] = (blocks, warps, stages)
+        return
+    raise TritonFallback(f"no tile of the {kernel} kernel fits this device ({last})")
+
+
+def _prepare(q, k, v, q_side, k_side, tables, *, score_mod, use_qk, activation, causal, max_len, dropout_p):
+    """``(q, k, v, module, code, all_tables)``: contiguous inputs and the variant's kernels;
+    raises TritonFallback / Unsupported when the kernels cannot run this call."""
+    _check_supported(q, v, tables, max_len)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    variant = _variant(q, q_side, k_side, tables, score_mod, activation, causal, use_qk, dropout_p > 0)
+    module, code = kernels_for(variant, q_side, k_side, tables)
+    # contiguous: the gradient buffers are, and a lookup's offset uses the table's strides for both
+    all_tables = [t.contiguous() for t in tables] + [c.to(q.device).contiguous() for c in
+                                                     (code.constants if code else [])]
+    return q, k, v, module, code, all_tables
 
 
 def _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score_mod, use_qk, activation, scale,
              out_scale, causal, max_len, dropout_p):
     """``(out, lse, module, code, all_tables)``; raises TritonFallback / Unsupported before launching."""
-    _check_supported(q, v, tables, max_len)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    variant = _variant(q, q_side, k_side, tables, score_mod, activation, causal, use_qk, dropout_p > 0)
-    module, code = kernels_for(variant, q_side, k_side, tables)
-    all_tables = list(tables) + [c.to(q.device) for c in (code.constants if code else [])]
+    q, k, v, module, code, all_tables = _prepare(q, k, v, q_side, k_side, tables, score_mod=score_mod, use_qk=use_qk,
+                                                 activation=activation, causal=causal, max_len=max_len,
+                                                 dropout_p=dropout_p)
     T, H, dv = q.shape[0], q.shape[1], v.shape[2]
     out = torch.empty(T, H, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
@@ -586,8 +640,13 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
     kwargs = dict(score_mod=score_mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale,
                   causal=causal, max_len=max_len, dropout_p=dropout_p)
     try:
-        out, lse, module, code, all_tables = _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed,
-                                                      **kwargs)
+        if activation == "softmax":  # its gradient needs the row's log-sum-exp: the forward runs again
+            out, lse, module, code, all_tables = _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed,
+                                                          **kwargs)
+        else:  # SiLU / identity weights are pointwise: the backward recomputes them tile by tile
+            q, k, v, module, code, all_tables = _prepare(q, k, v, q_side, k_side, tables, score_mod=score_mod,
+                                                         use_qk=use_qk, activation=activation, causal=causal,
+                                                         max_len=max_len, dropout_p=dropout_p)
     except (TritonFallback, Unsupported) as why:
         _note_fallback(score_mod, str(why), "jagged_attention_backward")
         return _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed,
@@ -595,34 +654,45 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     grad_out = grad_out.contiguous()
     T, H = q.shape[0], q.shape[1]
-    delta = (grad_out.float() * out.float()).sum(-1).contiguous()
+    if activation == "softmax":
+        delta = (grad_out.float() * out.float()).sum(-1).contiguous()
+    else:  # the kernels read lse and delta under ACT == 2 only
+        lse = delta = torch.empty(1, dtype=torch.float32, device=q.device)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     fq = code.float_q_sides if code else []
     fk = code.float_k_sides if code else []
     ft = code.float_tables if code else []
     dqs = {i: torch.zeros(T, H, dtype=torch.float32, device=q.device) for i in fq}
     dks = {i: torch.zeros(T, H, dtype=torch.float32, device=q.device) for i in fk}
-    dtabs = {i: torch.zeros(tables[i].shape, dtype=torch.float32, device=q.device) for i in ft}
-    grad_args = [dqs[i] for i in fq] + [dks[i] for i in fk] + [dtabs[i] for i in ft]
+    blocks_kv = launch_config("bwd_kv", q.shape[2], v.shape[2], q.device)[0]
+    replicas = _table_grad_replicas([tables[i].numel() for i in ft],
+                                    math.ceil(max_len / blocks_kv["BLOCK_N"]) * (offsets.shape[0] - 1) * H)
+    dtabs = {i: torch.zeros((replicas, *tables[i].shape), dtype=torch.float32, device=q.device) for i in ft}
+    grad_args = [dqs[i] for i in fq] + [dks[i] for i in fk] + [dtabs[i] for i in ft] + [replicas]
     meta, seed_t = _common(q, k, v, offsets, positions, seed, activation=activation, causal=causal, use_qk=use_qk,
                            scale=scale, out_scale=out_scale, dropout_p=dropout_p)
     B = offsets.shape[0] - 1
-    if T and B:
-        side_args = _side_args(q_side, k_side, all_tables)
-        strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                   grad_out.stride(0), grad_out.stride(1))
-        _launch(module, "bwd_kv", meta, max_len, B, q, k, v, grad_out, lse, delta, dk, dv, offsets, positions, seed_t,
-                *side_args, *grad_args, *strides)
-        if use_qk or fq:  # without q·k and query-side gradients there is nothing for bwd_q to compute
-            _launch(module, "bwd_q", meta, max_len, B, q, k, v, grad_out, lse, delta, dq, offsets, positions, seed_t,
-                    *side_args, *grad_args, *strides)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               grad_out.stride(0), grad_out.stride(1))
+    try:
+        if T and B:
+            side_args = _side_args(q_side, k_side, all_tables)
+            _launch(module, "bwd_kv", meta, max_len, B, q, k, v, grad_out, lse, delta, dk, dv, offsets, positions,
+                    seed_t, *side_args, *grad_args, *strides)
+            if use_qk or fq:  # without q·k and query-side gradients there is nothing for bwd_q to compute
+                _launch(module, "bwd_q", meta, max_len, B, q, k, v, grad_out, lse, delta, dq, offsets, positions,
+                        seed_t, *side_args, *grad_args, *strides)
+    except TritonFallback as why:
+        _note_fallback(score_mod, str(why), "jagged_attention_backward")
+        return _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed,
+                                             **kwargs)
     if not use_qk:
         dq.zero_(), dk.zero_()
 
     def side_grads(sides, acc):
         return [acc[i].sum(1).to(t.dtype) if i in acc else
                 (torch.zeros_like(t) if t.is_floating_point() else _grad_placeholder(t)) for i, t in enumerate(sides)]
-    d_tables = [dtabs[i].to(t.dtype) if i in dtabs else
+    d_tables = [dtabs[i].sum(0).to(t.dtype) if i in dtabs else
                 (torch.zeros_like(t) if t.is_floating_point() else _grad_placeholder(t)) for i, t in enumerate(tables)]
     return dq, dk, dv, side_grads(q_side, dqs), side_grads(k_side, dks), d_tables
 

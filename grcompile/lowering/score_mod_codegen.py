@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -176,6 +177,9 @@ class _Gen:
         self.wide = False
         self.side_dtypes = ([t.dtype for t in q_sides], [t.dtype for t in k_sides])
         self.table_meta = [(tuple(t.shape), t.dtype) for t in tables]
+
+    def table_rank(self, slot: int) -> int:
+        return len(self.table_meta[slot][0]) if slot < self.n_tab else self.code.constants[slot - self.n_tab].dim()
 
     def fresh(self, prefix="v") -> str:
         self.tmp += 1
@@ -331,14 +335,44 @@ class _Gen:
         off, inb = self.fresh("off"), self.fresh("inb")
         self.lines.append(f"{off} = {' + '.join(offset)}")
         self.lines.append(f"{inb} = {' & '.join(ok)}")
-        self.lines.append(f"oob = oob | tl.max(tl.max(({role_mask(roles, f'{inb} == 0')}).to(tl.int32)"
-                          " + tl.zeros([1, 1], tl.int32), 1), 0)")
+        # elementwise: the kernel reduces oob once, after its loop (a tile reduction per lookup and
+        # iteration costs a barrier each)
+        self.lines.append(f"oob = oob | ({role_mask(roles, f'{inb} == 0')}).to(tl.int32)")
         # "!= 0": the interpreter turns a 0-d bool ANDed with a bool tile into int64
         self.lines.append(f"{inb} = ({role_mask(roles, inb)}) != 0")
         load = f"tl.load(tab{slot} + {off}, mask={inb}, other=0)"
         value = self.emit(f"{load} != 0" if self.metas[node].dtype == torch.bool else load, node, roles)
         value.lookup = (slot, off, inb)  # type: ignore[attr-defined]
         return value
+
+
+# Table gradients are scatter-adds of the pair gradient into few addresses (a time-bucket table
+# has ~100 entries, and one tile's pairs mostly share a handful of buckets): atomics from one
+# warp to one address serialize. So each tile first sums the pairs of its HOT_ROUNDS smallest
+# indices with tile reductions (one scalar atomic each), then scatters the rest; and programs add
+# into NREP replicas of the gradient (``rep`` picks one; the host sums them), so different
+# programs rarely meet on an address. Relaxed atomics: the sums are only read after the launch.
+HOT_ROUNDS = int(os.environ.get("GRCOMPILE_TABLE_GRAD_ROUNDS", "4"))  # the variable: for tuning runs
+_NO_INDEX = 2147483647
+
+
+def table_grad_lines(slot: int, off: str, inb: str, g: str, rank: int, fresh: Callable[[str], str]) -> list[str]:
+    """Triton lines adding ``g`` (the gradient of ``tab{slot}[off]`` where ``inb``) into replica
+    ``rep`` of ``dtab{slot}`` (``[NREP, *table shape]``, contiguous like the table)."""
+    numel = " * ".join(f"tab{slot}_n{d}" for d in range(rank)) or "1"
+    base = f"dtab{slot} + rep * ({numel})"
+    if off == "0":  # a 0-d table: g is this tile's sum already
+        return [f"tl.atomic_add({base}, {g}, sem='relaxed')"]
+    tg, ti, hot, sel = fresh("tg"), fresh("ti"), fresh("hot"), fresh("sel")
+    lines = [f"{tg} = tl.where({inb}, {g}, 0.0)", f"{ti} = tl.where({inb}, {off}, {_NO_INDEX})"]
+    for _ in range(HOT_ROUNDS):
+        lines += [f"{hot} = tl.min({ti})",
+                  f"{sel} = {ti} == {hot}",
+                  f"tl.atomic_add({base} + {hot}, tl.sum(tl.where({sel}, {tg}, 0.0)), mask={hot} != {_NO_INDEX}, "
+                  "sem='relaxed')",
+                  f"{ti} = tl.where({sel}, {_NO_INDEX}, {ti})"]
+    lines.append(f"tl.atomic_add({base} + {ti}, {tg}, mask={ti} != {_NO_INDEX}, sem='relaxed')")
+    return lines
 
 
 def _op_name(node: fx.Node) -> str:
@@ -710,10 +744,7 @@ class _Backward:
         if lookup is not None:
             slot, off, inb = lookup
             if slot in self.grad_tables:  # g, off and inb all have the lookup's own shape
-                if off == "0":  # a 0-d table: g is this tile's sum already
-                    self.lines.append(f"tl.atomic_add(dtab{slot}, {g})")
-                else:
-                    self.lines.append(f"tl.atomic_add(dtab{slot} + {off}, tl.where({inb}, {g}, 0.0), mask={inb})")
+                self.lines += table_grad_lines(slot, off, inb, g, self.gen.table_rank(slot), self.gen.fresh)
             return
 
         def x(i):
