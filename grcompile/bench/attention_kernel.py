@@ -149,7 +149,8 @@ def sdpa_baseline(args) -> dict[str, Any]:
 # native tile candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) for --sweep: whole warpgroups,
 # the tiles the AOT sweep found spill-free on sm_90 and the usual flash-attention shapes
 SWEEP_TILES = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3),
-               (128, 128, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3), (64, 16, 8, 2), (32, 64, 4, 3), (16, 64, 8, 3)]
+               (128, 128, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3), (64, 16, 8, 2), (32, 64, 4, 3), (16, 64, 8, 3),
+               (64, 64, 8, 3), (64, 32, 8, 3), (32, 32, 4, 3), (128, 64, 8, 2)]
 
 
 def sweep(args, kernels: tuple[str, ...] = ("fwd", "bwd_kv", "bwd_q")) -> list[dict[str, Any]]:
@@ -176,6 +177,11 @@ def sweep(args, kernels: tuple[str, ...] = ("fwd", "bwd_kv", "bwd_q")) -> list[d
                 del os.environ[f"GRCOMPILE_TILES_{kernel.upper()}"]
             r = rows[-1]
             print(f"  sweep {kernel} {tile}: " + (f"{r['ms']:.3f} ms" if "ms" in r else r["error"]), flush=True)
+    for kernel in kernels:
+        timed = sorted((r for r in rows if r["kernel"] == kernel and "ms" in r), key=lambda r: r["ms"])
+        print(f"  {kernel} fastest: " + ", ".join(f"{r['tile']} {r['ms']:.3f} ms" for r in timed[:4]))
+        if timed:
+            print(f"  best GRCOMPILE_TILES_{kernel.upper()}={','.join(map(str, timed[0]['tile']))}")
     return rows
 
 
