@@ -278,8 +278,12 @@ def _judge(record: dict[str, Any]) -> dict[str, Any]:
     else:
         if record["error"]:
             reasons.append(record["error"])
-        if record["spill_bytes"]:
-            reasons.append(f"spills {record['spill_store_bytes']} B stored / {record['spill_load_bytes']} B loaded")
+        spills = f"spills {record['spill_store_bytes']} B stored / {record['spill_load_bytes']} B loaded"
+        if record["spill_bytes"] and (record.get("config") or {}).get("tiles") == "measured":
+            # a tile chosen by timing it on the GPU: the spill is reported, the measurement decides
+            record["notes"].append(f"{spills} (tile measured fastest on a GPU)")
+        elif record["spill_bytes"]:
+            reasons.append(spills)
         limit = MAX_SHARED_BYTES.get(ARCHS.get(record["arch"], 0))
         if limit is not None and record["shared_bytes"] > limit:
             reasons.append(f"needs {record['shared_bytes']} B shared memory, {record['arch']} allows {limit} B per block")

@@ -59,7 +59,8 @@ def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
             fn = getattr(module, kernel)
             kernel_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
             for arch in archs:
-                blocks, warps, stages = launch_config(kernel, dqk, dv, cuda, arch=arch)
+                blocks, warps, stages = launch_config(kernel, dqk, dv, cuda, arch=arch,
+                                                      plain=not score_mod and not dropout)
                 entries.append(dict(
                     kernel=f"jagged_attention_{kernel}", module=module.__file__, fn=kernel, arch=arch,
                     signature=_kernel_signature(fn, kernel_dtype, q_sides, k_sides, all_tables),

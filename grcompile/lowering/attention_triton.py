@@ -133,7 +133,7 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
     q_pos = tl.load(POS + q_tok, mask=q_ok, other=0).to(tl.int32)[:, None]
 {load_q_sides}
     seed = tl.load(SEED) if DROPOUT else 0
-    oob = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)  # pairs whose table index is out of range
+    oob = tl.zeros([BLOCK_M], tl.int32)  # rows with a pair whose table index is out of range
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -180,7 +180,7 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
         tl.store(LSE + q_tok * H + head, lse, mask=q_ok)
     acc = acc * out_scale
     _store_tile(O, q_tok, q_ok, stride_ot, head, stride_oh, dv, DV, acc)
-    if tl.max(tl.max(oob, 1), 0) != 0:
+    if tl.max(oob, 0) != 0:
         tl.atomic_max(OOB, 1)
 '''
 
@@ -193,7 +193,7 @@ _BWD_PAIR = '''\
             s = _dot(q, tl.trans(k), IEEE) * scale
         else:
             s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        oob = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)  # the forward reported these; unused here
+        oob = tl.zeros([BLOCK_M], tl.int32)  # the forward reported these; unused here
 {score_mod}
         allowed = PAIR & (k_pos <= q_pos) if CAUSAL else PAIR
         w = out_scale
@@ -439,15 +439,26 @@ def _pad(d: int) -> int:
 #   bwd_kv 64 / 128: no spill-free tile with wgmma for all four dots: q·kᵀ, do·vᵀ on mma.sync;
 #   bwd_q 128: no spill-free wgmma tile: the per-head time-bucket table spills 64 B (HSTU none);
 #   256 (all kernels): no wgmma tile keeps even the plain kernel spill-free: mma.sync tiles.
+# And on sm_80, bwd_kv 128: the table-gradient pre-sums made the swept 64 x 32 spill 40 B (HSTU);
+# 32 x 32 is spill-free for all four (64 x 32 with 1-2 stages and 32 x 64 were not).
 GPU_TILES = {
     "fwd": {"sm_80": {64: (32, 128, 8, 3), 128: (32, 64, 8, 3), 256: (16, 64, 8, 3)},
             "sm_90": {64: (64, 64, 8, 3), 128: (64, 32, 8, 2), 256: (16, 64, 8, 3)}},
-    "bwd_kv": {"sm_80": {64: (64, 32, 8, 3), 128: (64, 32, 8, 3), 256: (32, 16, 8, 3)},
+    "bwd_kv": {"sm_80": {64: (64, 32, 8, 3), 128: (32, 32, 8, 3), 256: (32, 16, 8, 3)},
                "sm_90": {64: (32, 64, 8, 1), 128: (16, 64, 8, 3), 256: (16, 32, 8, 2)}},
     "bwd_q": {"sm_80": {64: (32, 128, 8, 3), 128: (32, 64, 8, 3), 256: (32, 32, 8, 3)},
               "sm_90": {64: (128, 32, 8, 3), 128: (64, 16, 8, 2), 256: (16, 64, 8, 2)}},
 }
 HEAD_BUCKETS = (64, 128, 256)
+# Tiles timed natively on an H100 (Triton 3.6, bf16, one 8192-token row, 4 heads x 128; 2026-11-24,
+# docs/lowering.md "Measured on an H100"), which beat the rule's tiles there and so override them.
+# "plain": no score_mod and no dropout (fwd 1.60 -> 1.07 ms, bwd 2.60 -> 1.71 ms); "score_mod":
+# the HSTU RAB (bwd 10.0 -> 8.3 ms; its forward keeps the rule's tile, the fastest measured).
+# Triton 3.9's AOT compile spills some of them (the report notes it, measured speed decides).
+MEASURED_TILES = {
+    ("sm_90", 128, "plain"): {"fwd": (64, 64, 4, 3), "bwd_kv": (64, 64, 4, 4), "bwd_q": (128, 64, 8, 3)},
+    ("sm_90", 128, "score_mod"): {"bwd_kv": (32, 64, 8, 3), "bwd_q": (64, 32, 8, 3)},
+}
 
 
 def gpu_arch(device: torch.device) -> str:
@@ -455,21 +466,32 @@ def gpu_arch(device: torch.device) -> str:
     return "sm_90" if torch.cuda.get_device_capability(device)[0] >= 9 else "sm_80"
 
 
+def _bucket(width: int) -> int:
+    bucket = next((b for b in HEAD_BUCKETS if width <= b), None)
+    if bucket is None:
+        raise ValueError(f"head width {width}: the kernels take at most {HEAD_BUCKETS[-1]}")
+    return bucket
+
+
+def tile_source(kernel: str, arch: str, bucket: int, plain: bool) -> str:
+    """``"measured"`` where :data:`MEASURED_TILES` sets this tile, else ``"rule"`` (GPU_TILES)."""
+    return "measured" if kernel in MEASURED_TILES.get((arch, bucket, "plain" if plain else "score_mod"), {}) \
+        else "rule"
+
+
 def launch_config(kernel: str, dqk: int, dv: int, device: Optional[torch.device] = None,
-                  arch: Optional[str] = None) -> tuple[dict, int, int]:
+                  arch: Optional[str] = None, plain: bool = False) -> tuple[dict, int, int]:
     """``(constexpr blocks, num_warps, num_stages)`` of ``kernel`` ("fwd", "bwd_kv", "bwd_q") on
     ``device`` (its arch read from the device), or for ``arch`` ("sm_80" / "sm_90") when given
-    (ahead-of-time compiles: no device)."""
+    (ahead-of-time compiles: no device); ``plain``: the variant has no score_mod and no dropout."""
     pads = dict(BLOCK_DQK=_pad(dqk), BLOCK_DV=_pad(dv))
     if arch is None:
         if device is None or device.type == "cpu":  # the interpreter: small tiles keep it fast
             return dict(BLOCK_M=16, BLOCK_N=16, **pads), 4, 1
         arch = gpu_arch(device)
-    width = max(dqk, dv)
-    bucket = next((b for b in HEAD_BUCKETS if width <= b), None)
-    if bucket is None:
-        raise ValueError(f"head width {width}: the kernels take at most {HEAD_BUCKETS[-1]}")
-    tiles = GPU_TILES[kernel][arch][bucket]
+    bucket = _bucket(max(dqk, dv))
+    measured = MEASURED_TILES.get((arch, bucket, "plain" if plain else "score_mod"), {})
+    tiles = measured.get(kernel) or GPU_TILES[kernel][arch][bucket]
     env = os.environ.get(f"GRCOMPILE_TILES_{kernel.upper()}")  # "BM,BN,warps,stages": for tuning runs
     bm, bn, warps, stages = tuple(int(x) for x in env.split(",")) if env else tiles
     return dict(BLOCK_M=bm, BLOCK_N=bn, **pads), warps, stages
@@ -548,13 +570,17 @@ def _fallback_tiles(blocks: dict, warps: int, stages: int):
         yield dict(blocks, BLOCK_M=bm, BLOCK_N=bn), warps, 1
 
 
-def _launch(module, kernel: str, meta: dict, max_len: int, B: int, *args) -> None:
+def _is_plain(meta: dict, has_score_mod: bool) -> bool:
+    return not has_score_mod and not meta["DROPOUT"]
+
+
+def _launch(module, kernel: str, meta: dict, max_len: int, B: int, *args, plain: bool = False) -> None:
     """Launch ``kernel`` with its table tile; a tile the device's shared memory cannot hold is
     replaced by a smaller one (remembered), and TritonFallback when none fits."""
     from triton.runtime.errors import OutOfResources
 
-    key = (module.__name__, kernel, args[0].dtype, meta["DQK"], meta["DV"])
-    first = _FITTED.get(key) or launch_config(kernel, meta["DQK"], meta["DV"], args[0].device)
+    key = (module.__name__, kernel, args[0].dtype, meta["DQK"], meta["DV"], plain)
+    first = _FITTED.get(key) or launch_config(kernel, meta["DQK"], meta["DV"], args[0].device, plain=plain)
     last = None
     for blocks, warps, stages in (first, *_fallback_tiles(*first)):
         block = blocks["BLOCK_N"] if kernel == "bwd_kv" else blocks["BLOCK_M"]
@@ -600,7 +626,7 @@ def _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score
         _launch(module, "fwd", meta, max_len, B, q, k, v, out, lse, offsets, positions, seed_t, oob,
                 *_side_args(q_side, k_side, all_tables),
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                out.stride(0), out.stride(1))
+                out.stride(0), out.stride(1), plain=_is_plain(meta, code is not None))
         if int(oob.item()):
             raise ValueError(f"{_OP}: the score_mod {score_mod!r} indexes one of its tables out of range "
                              "(torch raises IndexError on this input)")
@@ -664,7 +690,7 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
     ft = code.float_tables if code else []
     dqs = {i: torch.zeros(T, H, dtype=torch.float32, device=q.device) for i in fq}
     dks = {i: torch.zeros(T, H, dtype=torch.float32, device=q.device) for i in fk}
-    blocks_kv = launch_config("bwd_kv", q.shape[2], v.shape[2], q.device)[0]
+    blocks_kv = launch_config("bwd_kv", q.shape[2], v.shape[2], q.device, plain=code is None and dropout_p == 0)[0]
     replicas = _table_grad_replicas([tables[i].numel() for i in ft],
                                     math.ceil(max_len / blocks_kv["BLOCK_N"]) * (offsets.shape[0] - 1) * H)
     dtabs = {i: torch.zeros((replicas, *tables[i].shape), dtype=torch.float32, device=q.device) for i in ft}
@@ -677,11 +703,12 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
     try:
         if T and B:
             side_args = _side_args(q_side, k_side, all_tables)
+            plain = _is_plain(meta, code is not None)
             _launch(module, "bwd_kv", meta, max_len, B, q, k, v, grad_out, lse, delta, dk, dv, offsets, positions,
-                    seed_t, *side_args, *grad_args, *strides)
+                    seed_t, *side_args, *grad_args, *strides, plain=plain)
             if use_qk or fq:  # without q·k and query-side gradients there is nothing for bwd_q to compute
                 _launch(module, "bwd_q", meta, max_len, B, q, k, v, grad_out, lse, delta, dq, offsets, positions,
-                        seed_t, *side_args, *grad_args, *strides)
+                        seed_t, *side_args, *grad_args, *strides, plain=plain)
     except TritonFallback as why:
         _note_fallback(score_mod, str(why), "jagged_attention_backward")
         return _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed,
@@ -773,8 +800,9 @@ def aot_config(model: str, kernel: str, arch: str, d: int, tile: Optional[tuple]
                       tuple(t.dtype for t in k_sides), tuple((t.dim(), t.dtype) for t in tables))
     module, code = kernels_for(variant, q_sides, k_sides, tables)
     all_tables = list(tables) + list(code.constants if code else [])
+    plain = not key and not dropout
     if tile is None:
-        blocks, warps, stages = launch_config(kernel, d, d, arch=arch)
+        blocks, warps, stages = launch_config(kernel, d, d, arch=arch, plain=plain)
     else:
         blocks, (warps, stages) = dict(BLOCK_M=tile[0], BLOCK_N=tile[1], BLOCK_DQK=_pad(d), BLOCK_DV=_pad(d)), tile[2:]
     constexprs = dict(blocks, ACT=_ACT[activation], CAUSAL=True, USE_QK=use_qk, DROPOUT=dropout, IEEE=0)
@@ -783,7 +811,8 @@ def aot_config(model: str, kernel: str, arch: str, d: int, tile: Optional[tuple]
                 signature=_kernel_signature(fn, torch.bfloat16, q_sides, k_sides, all_tables),
                 constexprs=constexprs, num_warps=warps, num_stages=stages, uses_dot=True,
                 config=dict(model=model, score_mod=key.split("-")[0] or "none", activation=activation,
-                            dtype="bf16", head_dim=d, dropout=dropout, arch=arch, **blocks))
+                            dtype="bf16", head_dim=d, dropout=dropout, arch=arch, **blocks,
+                            tiles="swept" if tile else tile_source(kernel, arch, _bucket(d), plain)))
 
 
 # (model, head width) of the AOT report: the bf16 training dtype (fp32 runs the same kernels

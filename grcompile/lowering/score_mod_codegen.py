@@ -335,9 +335,9 @@ class _Gen:
         off, inb = self.fresh("off"), self.fresh("inb")
         self.lines.append(f"{off} = {' + '.join(offset)}")
         self.lines.append(f"{inb} = {' & '.join(ok)}")
-        # elementwise: the kernel reduces oob once, after its loop (a tile reduction per lookup and
-        # iteration costs a barrier each)
-        self.lines.append(f"oob = oob | ({role_mask(roles, f'{inb} == 0')}).to(tl.int32)")
+        # per query row (a row reduction; the kernel reduces the rows once, after its loop)
+        self.lines.append(f"oob = oob | tl.max(({role_mask(roles, f'{inb} == 0')}).to(tl.int32)"
+                          " + tl.zeros([BLOCK_M, BLOCK_N], tl.int32), 1)")
         # "!= 0": the interpreter turns a 0-d bool ANDed with a bool tile into int64
         self.lines.append(f"{inb} = ({role_mask(roles, inb)}) != 0")
         load = f"tl.load(tab{slot} + {off}, mask={inb}, other=0)"

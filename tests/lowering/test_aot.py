@@ -310,7 +310,8 @@ def _real_provider_report(spec: str, tmp_path: Path, *extra: str) -> dict:
         by_config.setdefault(json.dumps([r["kernel"], r["config"]], sort_keys=True, default=str), set()).add(r["arch"])
         by_kernel.setdefault(r["kernel"], set()).add(r["arch"])
         assert r["compiled"], (r["kernel"], r["arch"], r["error"])
-        assert r["spill_bytes"] == 0, (r["kernel"], r["config"], r["arch"], r["failures"])
+        if (r["config"] or {}).get("tiles") != "measured":  # a GPU-timed tile may spill (noted, not failed)
+            assert r["spill_bytes"] == 0, (r["kernel"], r["config"], r["arch"], r["failures"])
         if r["uses_dot"]:
             assert r["tensor_cores"], (r["kernel"], r["config"], r["arch"], r["mma"])
         assert r["failures"] == [], (r["kernel"], r["config"], r["arch"], r["failures"])
@@ -332,3 +333,12 @@ def test_real_kernels_compile_first_config_each(spec, tmp_path):
 @pytest.mark.parametrize("spec", aot.PROVIDERS)
 def test_real_kernels_compile_every_config(spec, tmp_path):
     _real_provider_report(spec, tmp_path)
+
+
+def test_a_spill_fails_a_rule_tile_and_is_noted_on_a_measured_one():
+    base = dict(compiled=True, error=None, spill_bytes=96, spill_store_bytes=48, spill_load_bytes=48, arch="sm_90",
+                shared_bytes=1024, uses_dot=True, ttir_has_dot=True, tensor_cores=True, mma=["wgmma"])
+    rule = aot._judge(dict(base, notes=[], config={"tiles": "rule"}))
+    assert any(f.startswith("spills") for f in rule["failures"])
+    measured = aot._judge(dict(base, notes=[], config={"tiles": "measured"}))
+    assert measured["failures"] == [] and "measured fastest on a GPU" in measured["notes"][0]

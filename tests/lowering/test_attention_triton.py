@@ -329,7 +329,13 @@ def test_launch_config_picks_the_device_archs_tiles(monkeypatch):
         for kernel in ("fwd", "bwd_kv", "bwd_q"):
             for dqk, dv, bucket in ((8, 64, 64), (65, 16, 128), (128, 128, 128), (100, 129, 256), (256, 256, 256)):
                 blocks, warps, stages = at.launch_config(kernel, dqk, dv, cuda)
-                assert (blocks["BLOCK_M"], blocks["BLOCK_N"], warps, stages) == at.GPU_TILES[kernel][arch][bucket]
+                measured = at.MEASURED_TILES.get((arch, bucket, "score_mod"), {}).get(kernel)
+                assert (blocks["BLOCK_M"], blocks["BLOCK_N"], warps, stages) == (
+                    measured or at.GPU_TILES[kernel][arch][bucket])
+                plain = at.launch_config(kernel, dqk, dv, cuda, plain=True)
+                measured = at.MEASURED_TILES.get((arch, bucket, "plain"), {}).get(kernel)
+                assert (plain[0]["BLOCK_M"], plain[0]["BLOCK_N"], *plain[1:]) == (
+                    measured or at.GPU_TILES[kernel][arch][bucket])
                 assert (blocks["BLOCK_DQK"], blocks["BLOCK_DV"]) == (at._pad(dqk), at._pad(dv))
                 assert at.launch_config(kernel, dqk, dv, arch=arch) == (blocks, warps, stages)
     for kernel, per_bucket in ((k, t["sm_90"]) for k, t in at.GPU_TILES.items()):
@@ -347,7 +353,10 @@ def test_launch_config_picks_the_device_archs_tiles(monkeypatch):
     assert {c["arch"] for c in configs} == {"sm_80", "sm_90"}
     for c in configs:
         kernel = c["kernel"].removeprefix("jagged_attention_")
-        tile = at.GPU_TILES[kernel][c["arch"]][c["config"]["head_dim"]]
+        d, plain = c["config"]["head_dim"], c["config"]["score_mod"] == "none" and not c["config"]["dropout"]
+        tile = at.MEASURED_TILES.get((c["arch"], d, "plain" if plain else "score_mod"), {}).get(kernel) or \
+            at.GPU_TILES[kernel][c["arch"]][d]
+        assert c["config"]["tiles"] == ("measured" if tile != at.GPU_TILES[kernel][c["arch"]][d] else "rule")
         assert (c["constexprs"]["BLOCK_M"], c["constexprs"]["BLOCK_N"], c["num_warps"], c["num_stages"]) == tile
         assert c["config"]["arch"] == c["arch"]
     per_arch = {a: sorted((c["kernel"], c["config"]["model"], c["config"]["head_dim"]) for c in configs if c["arch"] == a)
