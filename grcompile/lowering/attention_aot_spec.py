@@ -65,7 +65,7 @@ def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
                     kernel=f"jagged_attention_{kernel}", module=module.__file__, fn=kernel, arch=arch,
                     signature=_kernel_signature(fn, kernel_dtype, q_sides, k_sides, all_tables),
                     constexprs=dict(blocks, ACT=_ACT[activation], CAUSAL=causal, USE_QK=use_qk, DROPOUT=dropout,
-                                    IEEE=int(kernel_dtype == torch.float32)),
+                                    IEEE=int(kernel_dtype == torch.float32), OOB_ROWS=arch == "sm_80"),
                     num_warps=warps, num_stages=stages, uses_dot=kernel_dtype != torch.float32,
                     config=config))
     return entries

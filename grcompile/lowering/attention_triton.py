@@ -115,7 +115,7 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
         H, DQK, DV, scale, out_scale, keep_scale, threshold,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
         ACT: tl.constexpr, CAUSAL: tl.constexpr, USE_QK: tl.constexpr, DROPOUT: tl.constexpr,
-        IEEE: tl.constexpr):
+        IEEE: tl.constexpr, OOB_ROWS: tl.constexpr):
     pid_m = tl.program_id(0)
     row = tl.program_id(1)
     head = tl.program_id(2)
@@ -133,7 +133,9 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
     q_pos = tl.load(POS + q_tok, mask=q_ok, other=0).to(tl.int32)[:, None]
 {load_q_sides}
     seed = tl.load(SEED) if DROPOUT else 0
-    oob = tl.zeros([BLOCK_M], tl.int32)  # rows with a pair whose table index is out of range
+    # out-of-range table indices: flags per pair (sm_90: cheapest) or per query row (sm_80: the
+    # per-pair flags spill there)
+    oob = tl.zeros([BLOCK_M], tl.int32) if OOB_ROWS else tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -180,7 +182,7 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
         tl.store(LSE + q_tok * H + head, lse, mask=q_ok)
     acc = acc * out_scale
     _store_tile(O, q_tok, q_ok, stride_ot, head, stride_oh, dv, DV, acc)
-    if tl.max(oob, 0) != 0:
+    if (tl.max(oob, 0) if OOB_ROWS else tl.max(tl.max(oob, 1), 0)) != 0:
         tl.atomic_max(OOB, 1)
 '''
 
@@ -193,7 +195,8 @@ _BWD_PAIR = '''\
             s = _dot(q, tl.trans(k), IEEE) * scale
         else:
             s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        oob = tl.zeros([BLOCK_M], tl.int32)  # the forward reported these; unused here
+        # the forward reported these; unused here
+        oob = tl.zeros([BLOCK_M], tl.int32) if OOB_ROWS else tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
 {score_mod}
         allowed = PAIR & (k_pos <= q_pos) if CAUSAL else PAIR
         w = out_scale
@@ -222,7 +225,7 @@ def bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, OFFS, POS, SEED, {extra_params} 
            H, DQK, DV, scale, out_scale, keep_scale, threshold,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
            ACT: tl.constexpr, CAUSAL: tl.constexpr, USE_QK: tl.constexpr, DROPOUT: tl.constexpr,
-           IEEE: tl.constexpr):
+           IEEE: tl.constexpr, OOB_ROWS: tl.constexpr):
     pid_n = tl.program_id(0)
     row = tl.program_id(1)
     head = tl.program_id(2)
@@ -275,7 +278,7 @@ def bwd_q(Q, K, V, DO, LSE, DELTA, DQ, OFFS, POS, SEED, {extra_params} {grad_par
           H, DQK, DV, scale, out_scale, keep_scale, threshold,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
           ACT: tl.constexpr, CAUSAL: tl.constexpr, USE_QK: tl.constexpr, DROPOUT: tl.constexpr,
-          IEEE: tl.constexpr):
+          IEEE: tl.constexpr, OOB_ROWS: tl.constexpr):
     pid_m = tl.program_id(0)
     row = tl.program_id(1)
     head = tl.program_id(2)
@@ -452,7 +455,7 @@ GPU_TILES = {
 HEAD_BUCKETS = (64, 128, 256)
 # Tiles timed natively on an H100 (Triton 3.6, bf16, one 8192-token row, 4 heads x 128; 2026-11-24,
 # docs/lowering.md "Measured on an H100"), which beat the rule's tiles there and so override them.
-# "plain": no score_mod and no dropout (fwd 1.60 -> 1.07 ms, bwd 2.60 -> 1.71 ms); "score_mod":
+# "plain": no score_mod and no dropout (fwd 1.60 -> 1.07 ms, bwd 2.60 -> 1.71 ms, one call on one machine);
 # the HSTU RAB (bwd 10.0 -> 8.3 ms; its forward keeps the rule's tile, the fastest measured).
 # Triton 3.9's AOT compile spills some of them (the report notes it, measured speed decides).
 MEASURED_TILES = {
@@ -540,7 +543,8 @@ def _common(q, k, v, offsets, positions, seed, *, activation, causal, use_qk, sc
     return dict(H=H, DQK=q.shape[2], DV=v.shape[2], scale=float(scale), out_scale=float(out_scale),
                 keep_scale=1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0, threshold=threshold,
                 ACT=_ACT[activation], CAUSAL=causal, USE_QK=use_qk, DROPOUT=dropout_p > 0,
-                IEEE=2 if q.device.type == "cpu" else int(q.dtype == torch.float32)), seed_t
+                IEEE=2 if q.device.type == "cpu" else int(q.dtype == torch.float32),
+                OOB_ROWS=q.device.type == "cuda" and gpu_arch(q.device) == "sm_80"), seed_t
 
 
 TABLE_GRAD_REPLICAS = int(os.environ.get("GRCOMPILE_TABLE_GRAD_REPLICAS", "32"))  # at most; see table_grad_lines
@@ -805,7 +809,8 @@ def aot_config(model: str, kernel: str, arch: str, d: int, tile: Optional[tuple]
         blocks, warps, stages = launch_config(kernel, d, d, arch=arch, plain=plain)
     else:
         blocks, (warps, stages) = dict(BLOCK_M=tile[0], BLOCK_N=tile[1], BLOCK_DQK=_pad(d), BLOCK_DV=_pad(d)), tile[2:]
-    constexprs = dict(blocks, ACT=_ACT[activation], CAUSAL=True, USE_QK=use_qk, DROPOUT=dropout, IEEE=0)
+    constexprs = dict(blocks, ACT=_ACT[activation], CAUSAL=True, USE_QK=use_qk, DROPOUT=dropout, IEEE=0,
+                      OOB_ROWS=arch == "sm_80")
     fn = getattr(module, kernel)
     return dict(kernel=f"jagged_attention_{kernel}", fn=fn, arch=arch,
                 signature=_kernel_signature(fn, torch.bfloat16, q_sides, k_sides, all_tables),

@@ -335,9 +335,10 @@ class _Gen:
         off, inb = self.fresh("off"), self.fresh("inb")
         self.lines.append(f"{off} = {' + '.join(offset)}")
         self.lines.append(f"{inb} = {' & '.join(ok)}")
-        # per query row (a row reduction; the kernel reduces the rows once, after its loop)
-        self.lines.append(f"oob = oob | tl.max(({role_mask(roles, f'{inb} == 0')}).to(tl.int32)"
-                          " + tl.zeros([BLOCK_M, BLOCK_N], tl.int32), 1)")
+        # flags per pair, or per query row under OOB_ROWS; the kernel reduces them after its loop
+        bad = f"({role_mask(roles, f'{inb} == 0')}).to(tl.int32)"
+        self.lines.append(f"oob = oob | (tl.max({bad} + tl.zeros([BLOCK_M, BLOCK_N], tl.int32), 1) if OOB_ROWS "
+                          f"else {bad})")
         # "!= 0": the interpreter turns a 0-d bool ANDed with a bool tile into int64
         self.lines.append(f"{inb} = ({role_mask(roles, inb)}) != 0")
         load = f"tl.load(tab{slot} + {off}, mask={inb}, other=0)"

@@ -417,3 +417,20 @@ def test_a_tile_over_shared_memory_is_shrunk_then_remembered(monkeypatch):
     monkeypatch.setattr(at, "_FITTED", {})
     with pytest.raises(at.TritonFallback, match="no tile of the fwd kernel fits"):
         at._launch(Module, "fwd", meta, 300, 3, q)
+
+
+def test_out_of_range_flags_per_row_as_on_sm80(monkeypatch):
+    """sm_80 keeps the out-of-range flags per query row (OOB_ROWS): same values, same error."""
+    common = at._common
+
+    def rows(*args, **kwargs):
+        meta, seed = common(*args, **kwargs)
+        return dict(meta, OOB_ROWS=True), seed
+    monkeypatch.setattr(at, "_common", rows)
+    _assert_match(*_case([23, 0, 1, 7], 2, 8, 8, "silu", True, 0.0, "hstu", 5))
+    key = S.register_score_mod(lambda q_pos, k_pos, q_side, k_side, tables: tables[0][k_pos + 5], name="too_far_rows")
+    args, kwargs = _case([6, 2], 1, 4, 4, "silu", True, 0.0, "none", 1)
+    args = (*args[:7], [torch.randn(8)], args[8])
+    kwargs["score_mod"] = key
+    with pytest.raises(ValueError, match="too_far_rows.*out of range"):
+        at.attention_triton(*args, **kwargs)
