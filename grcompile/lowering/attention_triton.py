@@ -456,7 +456,7 @@ HEAD_BUCKETS = (64, 128, 256)
 # Tiles timed natively on an H100 (Triton 3.6, bf16, one 8192-token row, 4 heads x 128; 2026-11-24,
 # docs/lowering.md "Measured on an H100"), which beat the rule's tiles there and so override them.
 # "plain": no score_mod and no dropout (fwd 1.60 -> 1.07 ms, bwd 2.60 -> 1.71 ms, one call on one machine);
-# the HSTU RAB (bwd 10.0 -> 8.3 ms; its forward keeps the rule's tile, the fastest measured).
+# "score_mod": the HSTU RAB (bwd 10.0 -> 8.3 ms; its forward keeps the rule's tile, the fastest measured).
 # Triton 3.9's AOT compile spills some of them (the report notes it, measured speed decides).
 MEASURED_TILES = {
     ("sm_90", 128, "plain"): {"fwd": (64, 64, 4, 3), "bwd_kv": (64, 64, 4, 4), "bwd_q": (128, 64, 8, 3)},
