@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pipeline", choices=("default", "attention", "jagged"), default="default",
                    help="grcompile's pass pipeline (default: grcompile.passes.default_pipeline(), the jagged one)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: every mode's forward under torch.autocast(bfloat16) (FP8 is not built yet)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per mode before it is killed")
     p.add_argument("--no-aot", dest="aot", action="store_false",
                    help="skip compiling, for sm_80 / sm_90, the Triton attention kernels of the variants the "
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                   steps=args.steps, warmup=args.warmup, seed=args.seed, threads=args.threads,
                   num_users=args.num_users, num_items=args.num_items, num_negatives=args.num_negatives,
                   dropout=args.dropout, pipeline=args.pipeline, device=args.device, dataset="synthetic",
-                  model_spec=args.model_spec, aot=args.aot)
+                  model_spec=args.model_spec, aot=args.aot, precision=args.precision)
     if args.model_spec is not None:  # the user's make_batch makes the data; these do not apply
         config.update(num_users=None, num_negatives=None, dataset=f"{args.model_spec} make_batch")
     results: dict[str, dict[str, Any]] = {}

@@ -8,7 +8,8 @@ Every mode builds the same data (same seed → same synthetic dataset, same batc
 initial weights (``torch.manual_seed(seed)`` right before the model is built, and again right
 before the first step so dropout draws the same stream in eager), then applies the compile mode
 to the ``SampledSoftmaxRetrieval`` module and runs ``warmup + steps`` training steps of
-``zero_grad → loss forward → backward → Adam step``, each timed with ``time.perf_counter``.
+``zero_grad → loss forward → backward → Adam step``, each timed with ``time.perf_counter``; with
+``precision="bf16"`` the loss forward runs under ``torch.autocast(bfloat16)`` in every mode.
 
 A ``model`` of the form ``path/to/file.py:factory`` is a user's model (grcompile/user_model.py):
 the worker loads it itself (``max_len``, and ``num_items`` / ``dropout`` when given, go to the
@@ -29,7 +30,7 @@ from typing import Any
 DEFAULTS: dict[str, Any] = dict(model="hstu", preset="small", max_len=1024, batch_size=32, steps=5, warmup=2,
                                 seed=0, threads=None, num_users=None, num_items=None, num_negatives=128,
                                 dropout=None, lr=1e-3, temperature=0.05, device="cpu", mode="eager",
-                                result_path=None, aot=True)
+                                result_path=None, aot=True, precision="fp32")
 
 
 def log(msg: str) -> None:
@@ -194,12 +195,15 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
 
+    if cfg["precision"] not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be fp32 or bf16, got {cfg['precision']!r}")
     torch.manual_seed(seed)
     times, losses = [], []
     for i, inputs in enumerate(workload.inputs):
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = step_fn(*inputs)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg["precision"] == "bf16"):
+            loss = step_fn(*inputs)
         loss.backward()
         optimizer.step()
         if cuda:
@@ -227,6 +231,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
     return {
         "mode": mode,
+        "precision": cfg["precision"],
         "description": describe(),
         "step_ms": median_s * 1e3,
         "step_ms_p10": _percentile(timed, 0.1) * 1e3,

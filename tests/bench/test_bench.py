@@ -82,6 +82,19 @@ def test_cli_smoke(tmp_path: Path) -> None:
     assert "Triton kernels, compiled ahead of time: sm_80" in proc.stdout
 
 
+def test_bf16_precision_runs_every_mode_under_autocast() -> None:
+    """--precision bf16: eager and grcompile train under autocast; their first losses (same weights,
+    same batch) agree with each other and with float32 to bf16 rounding, and differ from float32."""
+    config = dict(model="hstu", preset="ml1m", max_len=16, batch_size=4, steps=1, warmup=0, seed=0,
+                  num_users=32, num_items=50, dropout=0.0, aot=False)
+    fp32 = run_mode(config, "eager", echo=False)
+    bf16 = {mode: run_mode(dict(config, precision="bf16"), mode, echo=False) for mode in ("eager", "grcompile")}
+    assert fp32["precision"] == "fp32" and all(r["precision"] == "bf16" for r in bf16.values()), bf16
+    assert bf16["grcompile"]["first_loss"] == pytest.approx(bf16["eager"]["first_loss"], rel=1e-2)
+    assert bf16["eager"]["first_loss"] == pytest.approx(fp32["first_loss"], rel=2e-2)
+    assert bf16["eager"]["first_loss"] != fp32["first_loss"]  # autocast did run
+
+
 def test_failing_mode_is_recorded() -> None:
     config = dict(model="hstu", preset="ml1m", max_len=8, batch_size=2, steps=1, warmup=0, seed=0,
                   num_users=16, num_items=20)
