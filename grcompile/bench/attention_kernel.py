@@ -156,8 +156,9 @@ SWEEP_TILES = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3),
 def sweep(args, kernels: tuple[str, ...] = ("fwd", "bwd_kv", "bwd_q")) -> list[dict[str, Any]]:
     """Time each kernel under each of ``SWEEP_TILES`` (``GRCOMPILE_TILES_<KERNEL>``), the other
     kernels at their table tiles: fwd through the forward call, bwd_kv and bwd_q through the
-    backward call. A tile that does not compile or launch (shared memory) is recorded as failed."""
-    from grcompile.lowering.attention_triton import attention_backward_triton, attention_triton
+    backward call. A tile that does not compile, or that the launcher had to shrink (over the
+    shared memory), is recorded as failed."""
+    from grcompile.lowering.attention_triton import _FITTED, attention_backward_triton, attention_triton
 
     device = torch.device(args.device)
     inputs, kwargs = _inputs(args, device)
@@ -168,9 +169,12 @@ def sweep(args, kernels: tuple[str, ...] = ("fwd", "bwd_kv", "bwd_q")) -> list[d
             (lambda: attention_backward_triton(grad, *inputs, **kwargs))
         for tile in SWEEP_TILES:
             os.environ[f"GRCOMPILE_TILES_{kernel.upper()}"] = ",".join(map(str, tile))
+            fitted = dict(_FITTED)
             try:
                 ms = _time(call, args.iters, args.warmup, device) * 1e3
-                rows.append({"kernel": kernel, "tile": tile, "ms": ms})
+                shrunk = [v for k, v in _FITTED.items() if k not in fitted and k[1] == kernel]
+                rows.append({"kernel": kernel, "tile": tile, "ms": ms} if not shrunk else
+                            {"kernel": kernel, "tile": tile, "error": f"over shared memory (ran shrunk: {shrunk[0]})"})
             except Exception as exc:  # a tile over the shared memory, or a compile failure
                 rows.append({"kernel": kernel, "tile": tile, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
             finally:

@@ -36,7 +36,7 @@ def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
     """One spec entry per (variant, kernel, arch) of ``seen`` (``attention.SEEN_VARIANTS``); a
     variant the kernels cannot run (its score_mod has an op the generator does not know) gets an
     entry with ``error`` instead."""
-    from .attention_triton import Variant, _kernel_signature, kernels_for, launch_config, _ACT
+    from .attention_triton import Variant, _bucket, _kernel_signature, kernels_for, launch_config, tile_source, _ACT
     from .score_mod_codegen import Unsupported
 
     entries = []
@@ -59,15 +59,15 @@ def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
             fn = getattr(module, kernel)
             kernel_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
             for arch in archs:
-                blocks, warps, stages = launch_config(kernel, dqk, dv, cuda, arch=arch,
-                                                      plain=not score_mod and not dropout)
+                plain = not score_mod and not dropout
+                blocks, warps, stages = launch_config(kernel, dqk, dv, cuda, arch=arch, plain=plain)
                 entries.append(dict(
                     kernel=f"jagged_attention_{kernel}", module=module.__file__, fn=kernel, arch=arch,
                     signature=_kernel_signature(fn, kernel_dtype, q_sides, k_sides, all_tables),
                     constexprs=dict(blocks, ACT=_ACT[activation], CAUSAL=causal, USE_QK=use_qk, DROPOUT=dropout,
                                     IEEE=int(kernel_dtype == torch.float32), OOB_ROWS=arch == "sm_80"),
                     num_warps=warps, num_stages=stages, uses_dot=kernel_dtype != torch.float32,
-                    config=config))
+                    config=dict(config, tiles=tile_source(kernel, arch, _bucket(max(dqk, dv)), plain))))
     return entries
 
 

@@ -244,7 +244,7 @@ def bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, OFFS, POS, SEED, {extra_params} 
     k_pos = tl.load(POS + k_tok, mask=k_ok, other=0).to(tl.int32)[None, :]
 {load_k_sides}
     seed = tl.load(SEED) if DROPOUT else 0
-    rep = (pid_n + tl.num_programs(0) * (row + tl.num_programs(1) * head)) % NREP  # table-gradient replica
+    rep = (pid_n + row + head) % NREP  # table-gradient replica (a sum of small ids: no int32 overflow)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 {init_k_side_grads}
@@ -583,7 +583,8 @@ def _launch(module, kernel: str, meta: dict, max_len: int, B: int, *args, plain:
     replaced by a smaller one (remembered), and TritonFallback when none fits."""
     from triton.runtime.errors import OutOfResources
 
-    key = (module.__name__, kernel, args[0].dtype, meta["DQK"], meta["DV"], plain)
+    key = (module.__name__, kernel, args[0].dtype, meta["DQK"], meta["DV"], plain,
+           os.environ.get(f"GRCOMPILE_TILES_{kernel.upper()}"))  # a tuning run's tile is its own entry
     first = _FITTED.get(key) or launch_config(kernel, meta["DQK"], meta["DV"], args[0].device, plain=plain)
     last = None
     for blocks, warps, stages in (first, *_fallback_tiles(*first)):
@@ -799,7 +800,14 @@ def aot_config(model: str, kernel: str, arch: str, d: int, tile: Optional[tuple]
     """The AOT compile config of ``kernel`` for ``model``'s score_mod (:func:`aot_cases`) at head
     width ``d``, bf16, for ``arch``: its ``GPU_TILES`` tile, or ``tile`` = (BLOCK_M, BLOCK_N,
     num_warps, num_stages) when given (tile sweeps)."""
-    key, activation, use_qk, dropout, q_sides, k_sides, tables = aot_cases()[model]
+    return case_aot_config(aot_cases()[model], kernel, arch, d, tile, model=model)
+
+
+def case_aot_config(case: tuple, kernel: str, arch: str, d: int, tile: Optional[tuple] = None,
+                    model: str = "custom") -> dict:
+    """:func:`aot_config` of one ``(score_mod key, activation, use_qk, dropout, q_sides, k_sides,
+    tables)`` case (the shape of :func:`aot_cases`' values)."""
+    key, activation, use_qk, dropout, q_sides, k_sides, tables = case
     variant = Variant(key, activation, True, use_qk, dropout, tuple(t.dtype for t in q_sides),
                       tuple(t.dtype for t in k_sides), tuple((t.dim(), t.dtype) for t in tables))
     module, code = kernels_for(variant, q_sides, k_sides, tables)

@@ -357,13 +357,17 @@ HOT_ROUNDS = int(os.environ.get("GRCOMPILE_TABLE_GRAD_ROUNDS", "4"))  # the vari
 _NO_INDEX = 2147483647
 
 
-def table_grad_lines(slot: int, off: str, inb: str, g: str, rank: int, fresh: Callable[[str], str]) -> list[str]:
+def table_grad_lines(slot: int, off: str, inb: str, g: str, rank: int, fresh: Callable[[str], str],
+                     tile: bool = True) -> list[str]:
     """Triton lines adding ``g`` (the gradient of ``tab{slot}[off]`` where ``inb``) into replica
-    ``rep`` of ``dtab{slot}`` (``[NREP, *table shape]``, contiguous like the table)."""
+    ``rep`` of ``dtab{slot}`` (``[NREP, *table shape]``, contiguous like the table). ``tile``:
+    the lookup varies along the queries or keys; else ``g``, ``off`` are scalars (``table[head]``)."""
     numel = " * ".join(f"tab{slot}_n{d}" for d in range(rank)) or "1"
     base = f"dtab{slot} + rep * ({numel})"
     if off == "0":  # a 0-d table: g is this tile's sum already
         return [f"tl.atomic_add({base}, {g}, sem='relaxed')"]
+    if not tile:  # one index per program: one atomic (compiled Triton cannot reduce a 0-d tensor)
+        return [f"tl.atomic_add({base} + {off}, tl.where({inb}, {g}, 0.0), mask={inb}, sem='relaxed')"]
     tg, ti, hot, sel = fresh("tg"), fresh("ti"), fresh("hot"), fresh("sel")
     lines = [f"{tg} = tl.where({inb}, {g}, 0.0)", f"{ti} = tl.where({inb}, {off}, {_NO_INDEX})"]
     for _ in range(HOT_ROUNDS):
@@ -745,7 +749,8 @@ class _Backward:
         if lookup is not None:
             slot, off, inb = lookup
             if slot in self.grad_tables:  # g, off and inb all have the lookup's own shape
-                self.lines += table_grad_lines(slot, off, inb, g, self.gen.table_rank(slot), self.gen.fresh)
+                self.lines += table_grad_lines(slot, off, inb, g, self.gen.table_rank(slot), self.gen.fresh,
+                                               tile=bool(roles))
             return
 
         def x(i):

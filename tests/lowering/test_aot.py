@@ -342,3 +342,25 @@ def test_a_spill_fails_a_rule_tile_and_is_noted_on_a_measured_one():
     assert any(f.startswith("spills") for f in rule["failures"])
     measured = aot._judge(dict(base, notes=[], config={"tiles": "measured"}))
     assert measured["failures"] == [] and "measured fastest on a GPU" in measured["notes"][0]
+
+
+def per_head_table_configs() -> list[dict]:
+    """AOT provider: the backward kernels of a ``table[head]`` score_mod (one index per program)."""
+    import torch
+    from grcompile.lowering import attention_triton as at, score_mod as S
+
+    def per_head_temperature(score, q_pos, k_pos, head, table_0):
+        return score * table_0[head]
+    case = (S.register_score_mod(per_head_temperature), "silu", True, False, [], [], [torch.zeros(4)])
+    return [at.case_aot_config(case, kernel, "sm_90", 64) for kernel in ("bwd_kv", "bwd_q")]
+
+
+def test_a_per_head_table_lookup_compiles_for_sm90(tmp_path):
+    """``table[head]``'s gradient is one atomic, not a tile reduction: compiled Triton cannot reduce
+    a 0-d tensor (the interpreter can, so only a compile shows it)."""
+    out = tmp_path / "head.json"
+    done = _run_cli("--arch", "sm_90", "--no-roofline", "--json", str(out), "--providers",
+                    f"{HERE}:per_head_table_configs")
+    assert out.exists(), done.stdout + done.stderr
+    records = json.loads(out.read_text())["records"]
+    assert len(records) == 2 and all(r["compiled"] for r in records), [r["error"] for r in records]
