@@ -22,7 +22,10 @@ __all__ = ["__version__", "optimize", "report", "Report", "GraphPass", "PassCont
 # option -> default; dump_dir None means "$GRCOMPILE_DUMP_DIR if set".
 OPTIONS: dict[str, Any] = {"dump_dir": None, "passes": None, "lowering": "inductor",
                            "dynamic": False, "fullgraph": False, "sparse": None, "strict": False,
-                           "backend": None}
+                           "backend": None, "remat": None}
+# optimize(remat=True): the saved activations' budget, as a fraction of what the graph saves
+# without rematerialisation (issue 12's goal: <= 0.4x per block)
+REMAT_DEFAULT_BUDGET = 0.4
 
 _STATE_ATTR = "_grcompile_state"
 
@@ -57,9 +60,14 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
     ``$GRCOMPILE_BACKEND`` or ``"auto"`` — Triton on CUDA, Ascend on NPU, the reference on CPU;
     ``"triton"`` / ``"reference"`` / ``"ascend"`` set it for the process: ops pick their kernel when
     they run, and a training step's backward runs outside the module's call, so the choice cannot
-    be per module. ``report()`` lists the kernels that ran).
+    be per module. ``report()`` lists the kernels that ran),
+    ``remat`` (``None`` / ``False``: off; ``True`` or a budget in (0, 1): activation
+    rematerialisation — AOTAutograd's min-cut partitioner saves at most that fraction of the
+    activation bytes the graph would save (``True``: ``REMAT_DEFAULT_BUDGET``) and recomputes the
+    cheapest rest in the backward; values and gradients are unchanged; needs ``lowering="inductor"``).
     """
     opts = _merge_options(options, kwargs)
+    remat_budget = _remat_budget(opts["remat"], opts["lowering"])
     if opts["backend"] is not None:
         from .lowering import set_backend
         set_backend(opts["backend"])
@@ -85,7 +93,7 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
         sparse_plan = f"{opts['sparse'].get('backend', 'local')} sparse runtime (dedup {runtime.dedup}): " \
                       + runtime.plan.describe().replace("\n", "; ")
     state = GrcompileState(passes=passes, lowering=opts["lowering"], dump_dir=dump_dir, sparse_plan=sparse_plan,
-                           strict=bool(opts["strict"]))
+                           strict=bool(opts["strict"]), remat_budget=remat_budget)
     state.shapes.enabled = opts["dynamic"] is not True  # dynamic=True: every axis symbolic from the start
     if opts["sparse"] is not None:
         state.counters["sparse.features"] = len(runtime.plan.features)
@@ -102,6 +110,18 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
     # and report(original_model) must not pretend the original was optimized.
     object.__setattr__(compiled, _STATE_ATTR, state)
     return compiled
+
+
+def _remat_budget(remat: Any, lowering: str) -> float | None:
+    if remat is None or remat is False:
+        return None
+    budget = REMAT_DEFAULT_BUDGET if remat is True else remat
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < 1:
+        raise ValueError(f"remat must be None, False, True or a budget in (0, 1), got {remat!r}")
+    if lowering != "inductor":
+        raise ValueError(f"remat needs lowering='inductor' (AOTAutograd's partitioner does the recomputation), "
+                         f"got lowering={lowering!r}")
+    return float(budget)
 
 
 def _where(model: Any) -> str:

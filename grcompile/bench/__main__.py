@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pipeline", choices=("default", "attention", "jagged"), default="default",
                    help="grcompile's pass pipeline (default: grcompile.passes.default_pipeline(), the jagged one)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--remat", action="store_true",
+                   help="grcompile mode: activation rematerialisation (optimize(remat=True))")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="bf16: every mode's forward under torch.autocast(bfloat16) (FP8 is not built yet)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per mode before it is killed")
@@ -226,7 +228,7 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [f"grcompile.bench: {model_title(c)}, max_len {c['max_len']}, batch {c['batch_size']}, "
              f"{c['steps']} timed steps after {c['warmup']} warmup, seed {c['seed']}"]
     header = (f"{'mode':<10} {'step ms':>10} {'p10-p90 ms':>17} {'compile s':>9} {'peak MB':>9} {'tok/s':>9} "
-              f"{'TFLOP/s':>8} {'speedup':>8} {'mem':>6} {'first loss':>11} {'last loss':>10}")
+              f"{'TFLOP/s':>8} {'speedup':>8} {'mem':>6} {'act MB':>8} {'first loss':>11} {'last loss':>10}")
     lines += [header, "-" * len(header)]
     for mode, r in report["results"].items():
         if "error" in r:
@@ -237,7 +239,8 @@ def format_table(report: dict[str, Any]) -> str:
         spread = f"{r['step_ms_p10']:.1f}-{r['step_ms_p90']:.1f}"
         lines.append(f"{mode:<10} {r['step_ms']:>10.1f} {spread:>17} {r['compile_s']:>9.1f} {r['peak_mem_mb']:>9.0f} "
                      f"{r['tokens_per_s']:>9.0f} {_fmt(r['tflops'], '.4f'):>8} {_fmt(rt.get('speedup_vs_eager'), '.2f'):>7}x "
-                     f"{_fmt(rt.get('mem_vs_eager'), '.2f'):>5}x {r['first_loss']:>11.6f} {r['last_loss']:>10.6f}")
+                     f"{_fmt(rt.get('mem_vs_eager'), '.2f'):>5}x {_fmt(r.get('activation_mb'), '.1f'):>8} "
+                     f"{r['first_loss']:>11.6f} {r['last_loss']:>10.6f}")
     ok = [r for r in report["results"].values() if "error" not in r]
     if ok:
         r0 = ok[0]
@@ -264,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                   steps=args.steps, warmup=args.warmup, seed=args.seed, threads=args.threads,
                   num_users=args.num_users, num_items=args.num_items, num_negatives=args.num_negatives,
                   dropout=args.dropout, pipeline=args.pipeline, device=args.device, dataset="synthetic",
-                  model_spec=args.model_spec, aot=args.aot, precision=args.precision)
+                  model_spec=args.model_spec, aot=args.aot, precision=args.precision, remat=args.remat)
     if args.model_spec is not None:  # the user's make_batch makes the data; these do not apply
         config.update(num_users=None, num_negatives=None, dataset=f"{args.model_spec} make_batch")
     results: dict[str, dict[str, Any]] = {}

@@ -30,7 +30,7 @@ from typing import Any
 DEFAULTS: dict[str, Any] = dict(model="hstu", preset="small", max_len=1024, batch_size=32, steps=5, warmup=2,
                                 seed=0, threads=None, num_users=None, num_items=None, num_negatives=128,
                                 dropout=None, lr=1e-3, temperature=0.05, device="cpu", mode="eager",
-                                result_path=None, aot=True, precision="fp32")
+                                result_path=None, aot=True, precision="fp32", remat=False)
 
 
 def log(msg: str) -> None:
@@ -67,14 +67,31 @@ def current_rss_mb() -> float | None:
     return _proc_status_mb("VmRSS")
 
 
-def apply_mode(module: Any, mode: str, pipeline: str = "default") -> tuple[Any, Any]:
-    """Returns (compiled module, describe() -> str); ``pipeline`` picks grcompile's passes."""
+def apply_mode(module: Any, mode: str, pipeline: str = "default", remat: bool = False) -> tuple[Any, Any]:
+    """Returns (compiled module, describe() -> str); ``pipeline`` picks grcompile's passes,
+    ``remat`` turns on grcompile's activation rematerialisation."""
     from grcompile.modes import apply_compile_mode, describe_mode
     from grcompile.passes import PIPELINES
 
-    options = {"passes": PIPELINES[pipeline]()} if mode == "grcompile" else {}
+    options = {"passes": PIPELINES[pipeline](), **({"remat": True} if remat else {})} if mode == "grcompile" else {}
     compiled = apply_compile_mode(module, mode, **options)
-    return compiled, (lambda: describe_mode(compiled))
+    return compiled, (lambda: describe_mode(compiled) + (" + remat" if remat and mode == "grcompile" else ""))
+
+
+def saved_activation_bytes(step_fn: Any, inputs: tuple, autocast: Any) -> int:
+    """Bytes one forward saves for its backward (every tensor autograd saves, once per save; views
+    of one buffer count each time): the activation memory a training step holds at its peak."""
+    import torch
+
+    saved = []
+
+    def pack(t: Any) -> Any:
+        saved.append(t.numel() * t.element_size())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
+        loss = step_fn(*inputs)
+    del loss
+    return sum(saved)
 
 
 def batches(cfg: dict[str, Any], needed: int) -> tuple[list[dict[str, Any]], int]:
@@ -188,7 +205,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     task = workload.task
     task.train()
     optimizer = torch.optim.Adam(task.parameters(), lr=cfg["lr"])
-    step_fn, describe = apply_mode(task, mode, cfg.get("pipeline", "default"))
+    step_fn, describe = apply_mode(task, mode, cfg.get("pipeline", "default"), bool(cfg.get("remat")))
 
     rss_before = current_rss_mb()
     if cuda:
@@ -213,6 +230,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         log(f"[bench.worker] {mode} step {i + 1}/{total_steps}: {times[-1] * 1e3:.1f} ms, loss {losses[-1]:.6f}, "
             f"peak RSS {peak_rss_mb():.0f} MB")
 
+    activation_bytes = saved_activation_bytes(
+        step_fn, workload.inputs[-1],
+        lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg["precision"] == "bf16"))
+    blocks = (workload.fields.get("model_config") or {}).get("num_blocks")
     timed = times[cfg["warmup"]:] if len(times) > cfg["warmup"] else times
     first_timed = len(times) - len(timed)
     median_s = statistics.median(timed)
@@ -240,6 +261,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "compile_s": times[0],
         "timed_steps": len(timed),
         "peak_mem_mb": cuda_peak if cuda else rss_peak,
+        "activation_mb": activation_bytes / 2**20,
+        "activation_mb_per_block": activation_bytes / 2**20 / blocks if blocks else None,
+        "remat": bool(cfg.get("remat")) and mode == "grcompile",
         "peak_rss_mb": rss_peak,
         "rss_before_steps_mb": rss_before,
         "cuda_max_allocated_mb": cuda_peak,

@@ -60,6 +60,7 @@ class GrcompileState:
     unoptimized_signatures: set[tuple] = field(default_factory=set)  # new input shapes after it
     shapes: ShapePolicy = field(default_factory=ShapePolicy)  # static first, then symbolic B / N (shapes.py)
     recompiles: list[dict[str, Any]] = field(default_factory=list)  # {graph, reason} per compile after the first
+    remat_budget: float | None = None  # optimize(remat=...): AOTAutograd's activation memory budget
 
     def report(self) -> Report:
         grown = _graph_break_counts()
@@ -71,6 +72,7 @@ class GrcompileState:
                       compiles=self.compiles, graph_breaks=sum(reasons.values()),
                       counters=dict(self.counters), passes=[pass_name(p) for p in self.passes],
                       lowering=self.lowering, graph_break_reasons=reasons, sparse_plan=self.sparse_plan,
+                      remat_budget=self.remat_budget,
                       unoptimized=[dict(u) for u in self.unoptimized], recompiles=list(self.recompiles))
 
 
@@ -152,7 +154,8 @@ class GrcompileBackend:
             # autograd formulas trace (gated_norm's backward op) without changing the caches' keys:
             # compile without the caches then, or a graph traced for another backend is reused
             forced = preferred_backend() != "auto"
-            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True,
+            remat = {} if self.state.remat_budget is None else {"activation_memory_budget": self.state.remat_budget}
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True, **remat,
                                                **({"enable_autograd_cache": False} if forced else {})):
                 from .lowering_config import INDUCTOR_CONFIG  # scoped to this compile (and its backward)
                 patches = {**INDUCTOR_CONFIG, **({"fx_graph_cache": False} if forced else {})}

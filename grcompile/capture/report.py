@@ -22,6 +22,7 @@ class Report:
     lowering: str = "inductor"
     graph_break_reasons: dict[str, int] = field(default_factory=dict)
     sparse_plan: str = ""  # embeddings moved to the sparse runtime, if any
+    remat_budget: float | None = None  # optimize(remat=...), if on
     # what ran without grcompile and why: {kind, graph, frame, error, site, ran} (+ calls, shapes
     # for kind "recompile_limit"); kinds: trace_error, lowering_error, recompile_limit, zero_size
     unoptimized: list[dict[str, Any]] = field(default_factory=list)
@@ -61,6 +62,9 @@ class Report:
             lines.append(f"  recompile graph {r['graph']}: {r['reason']}")
         if self.sparse_plan:
             lines.append(f"sparse: {self.sparse_plan}")
+        if self.remat_budget is not None:
+            lines.append(f"remat: saved activations capped at {self.remat_budget:g} of what the graph would save; "
+                         "AOTAutograd's min-cut partitioner recomputes the rest in the backward")
         if self.kernels:
             lines.append("kernels run (this process): " + "; ".join(
                 f"{op}: " + ", ".join(f"{b} x{n}" for b, n in sorted(calls.items()))
