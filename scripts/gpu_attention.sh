@@ -26,7 +26,7 @@ for step in $steps; do
           --iters 10 --json "$OUT/ablation-$1-$2.json" | grep bwd
       done 2>&1 | tee "$OUT/ablation.log" ;;
     check)
-      GRCOMPILE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -n 8 tests/lowering/test_attention_triton.py \
+      GRCOMPILE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -n 8 tests/lowering/attention/test_triton.py \
         -k "matches_reference or every_bias or bias_only or gpu_tiles or non_contiguous" 2>&1 | tee "$OUT/check.log" | tail -15 ;;
     sweep)
       kernel --bias none --activation silu --sweep fwd,bwd_kv,bwd_q --iters 10 --warmup 2 \

@@ -88,7 +88,7 @@ def _time(fn, iters: int, warmup: int, device: torch.device) -> float:
 
 def run(args) -> dict[str, Any]:
     from grcompile.lowering.aot import attention_cost
-    from grcompile.lowering.attention_triton import attention_backward_triton, attention_triton
+    from grcompile.lowering.attention.triton import attention_backward_triton, attention_triton
 
     device = torch.device(args.device)
     interpreting = device.type == "cpu"
@@ -158,7 +158,7 @@ def sweep(args, kernels: tuple[str, ...] = ("fwd", "bwd_kv", "bwd_q")) -> list[d
     kernels at their table tiles: fwd through the forward call, bwd_kv and bwd_q through the
     backward call. A tile that does not compile, or that the launcher had to shrink (over the
     shared memory), is recorded as failed."""
-    from grcompile.lowering.attention_triton import _FITTED, attention_backward_triton, attention_triton
+    from grcompile.lowering.attention.triton import _FITTED, attention_backward_triton, attention_triton
 
     device = torch.device(args.device)
     inputs, kwargs = _inputs(args, device)

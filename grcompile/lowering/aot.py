@@ -54,8 +54,8 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 PROVIDERS = [
-    "grcompile.lowering.norm_triton:aot_configs",
-    "grcompile.lowering.attention_triton:aot_configs",
+    "grcompile.lowering.norm.triton:aot_configs",
+    "grcompile.lowering.attention.triton:aot_configs",
 ]
 
 # arch name -> compute capability. sm_90 compiles as sm_90a (Triton's choice: wgmma needs it).

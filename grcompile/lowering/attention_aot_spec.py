@@ -2,7 +2,7 @@
 
 The attention op records every variant it runs (``attention.SEEN_VARIANTS``: score_mod, activation,
 dtypes, head widths, table shapes), whatever kernel ran it. :func:`spec_for_seen` generates their
-Triton kernel modules (the files :mod:`.attention_triton` imports) and writes a JSON *spec*: per
+Triton kernel modules (the files :mod:`.attention.triton` imports) and writes a JSON *spec*: per
 (kernel, arch), the module file, the argument types, the constexprs and the launch configuration
 the device would use. A fresh process without ``TRITON_INTERPRET`` compiles the spec
 (:func:`aot_configs_from_spec` is an AOT provider), since the registry of score_mods, and with it
@@ -36,7 +36,7 @@ def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
     """One spec entry per (variant, kernel, arch) of ``seen`` (``attention.SEEN_VARIANTS``); a
     variant the kernels cannot run (its score_mod has an op the generator does not know) gets an
     entry with ``error`` instead."""
-    from .attention_triton import Variant, _bucket, _kernel_signature, kernels_for, launch_config, tile_source, _ACT
+    from .attention.triton import Variant, _bucket, _kernel_signature, kernels_for, launch_config, tile_source, _ACT
     from .score_mod_codegen import Unsupported
 
     entries = []

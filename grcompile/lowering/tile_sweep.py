@@ -1,4 +1,4 @@
-"""Tile sweep of the jagged attention kernels (how ``attention_triton.GPU_TILES`` is chosen): no GPU.
+"""Tile sweep of the jagged attention kernels (how ``attention.triton.GPU_TILES`` is chosen): no GPU.
 
     python -m grcompile.lowering.tile_sweep --kernel fwd,bwd_kv,bwd_q --arch sm_80,sm_90 \\
         --bucket 64,128,256 [--json sweep.json]
@@ -6,7 +6,7 @@
 For each (kernel, arch, head-width bucket), tiles (BLOCK_M, BLOCK_N ∈ {16, 32, 64, 128},
 num_warps ∈ {4, 8}, num_stages ∈ {1, 2, 3}) are compiled with the AOT report's
 :func:`~grcompile.lowering.aot.compile_config` for every score_mod of
-:func:`~grcompile.lowering.attention_triton.aot_cases` at head width = the bucket (bf16).
+:func:`~grcompile.lowering.attention.triton.aot_cases` at head width = the bucket (bf16).
 
 A tile *passes* when, for every score_mod, it compiles without spills, fits the arch's shared
 memory and has only the arch's tensor-core MMA (sm_90: ``wgmma`` and no ``mma.sync`` — each
@@ -69,14 +69,14 @@ def _summary(record: dict[str, Any]) -> dict[str, Any]:
 
 class Sweep:
     def __init__(self, kernel: str, arch: str, bucket: int):
-        from .attention_triton import aot_kernels
+        from .attention.triton import aot_kernels
         self.kernel, self.arch, self.bucket = kernel, arch, bucket
         self.models = [m for m in ORDER if kernel in aot_kernels(m)]
         self.results: dict[tuple, dict[str, dict]] = {}
 
     def compile(self, tile: tuple, model: str) -> dict[str, Any]:
         from .aot import compile_config
-        from .attention_triton import aot_config
+        from .attention.triton import aot_config
         done = self.results.setdefault(tile, {})
         if model not in done:
             done[model] = _summary(compile_config(aot_config(model, self.kernel, self.arch, self.bucket, tile),

@@ -1,7 +1,7 @@
 """Test-only stand-ins for Ascend RecSDK's ``torch.ops.mxrec`` ops (no NPU, no torch_npu here).
 
 :func:`install` defines the schemas exactly as RecSDK declares them (sources in
-``grcompile/lowering/attention_ascend.py``) in a ``torch.library.Library("mxrec", "DEF")`` with CPU
+``grcompile/lowering/attention/ascend.py``) in a ``torch.library.Library("mxrec", "DEF")`` with CPU
 kernels that (1) check the arguments the way RecSDK's C++ wrappers do (``TORCH_CHECK`` → a
 ``RuntimeError``) and (2) compute the math RecSDK's own golden tests define, in plain torch, so a
 lowered call's values can be compared with grcompile's reference. Every call is appended to

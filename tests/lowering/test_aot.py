@@ -347,7 +347,8 @@ def test_a_spill_fails_a_rule_tile_and_is_noted_on_a_measured_one():
 def per_head_table_configs() -> list[dict]:
     """AOT provider: the backward kernels of a ``table[head]`` score_mod (one index per program)."""
     import torch
-    from grcompile.lowering import attention_triton as at, score_mod as S
+    from grcompile.lowering import score_mod as S
+    from grcompile.lowering.attention import triton as at
 
     def per_head_temperature(score, q_pos, k_pos, head, table_0):
         return score * table_0[head]

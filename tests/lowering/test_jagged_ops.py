@@ -700,7 +700,7 @@ def test_op_registry_lookup() -> None:
     assert {"jagged_attention", "jagged_attention_backward", "gated_norm"} <= set(lowering.OPS)
     ref = lowering.OPS["gated_norm"].reference
     assert lowering.lookup("gated_norm", "cpu") is ref
-    from grcompile.lowering import norm_triton  # the lazy triton slot, resolved on CUDA
+    from grcompile.lowering.norm import triton as norm_triton  # the lazy triton slot, resolved on CUDA
     assert lowering.lookup("gated_norm", "cuda") is norm_triton.gated_norm_triton
     with pytest.raises(KeyError, match="no op named"):
         lowering.lookup("nope", "cpu")

@@ -40,10 +40,10 @@ Autograd is flash-like: the forward saves only its inputs; ``grcompile::jagged_a
 recomputes each chunk under ``enable_grad`` and uses ``torch.autograd.grad``, returning gradients
 for q, k, v and every floating side tensor and table (integer ones get ``None``).
 
-Kernels: ``triton`` (:mod:`grcompile.lowering.attention_triton`: CUDA, or CPU tensors under ``TRITON_INTERPRET=1``
+Kernels: ``triton`` (:mod:`grcompile.lowering.attention.triton`: CUDA, or CPU tensors under ``TRITON_INTERPRET=1``
 with ``GRCOMPILE_BACKEND=triton``) generates the score_mod into the kernel; a call it cannot run
 (a score_mod op it does not know, float64) runs this reference, with a warning. ``ascend``
-(:mod:`grcompile.lowering.attention_ascend`) maps calls to Ascend RecSDK's ``mxrec.hstu_jagged`` where the math matches (tested
+(:mod:`grcompile.lowering.attention.ascend`) maps calls to Ascend RecSDK's ``mxrec.hstu_jagged`` where the math matches (tested
 against stubs only: nothing has run on an NPU).
 
 
@@ -62,7 +62,7 @@ from .dropout import dropout_keep
 from .op import JAGGED_ATTENTION, SEEN_VARIANTS, jagged_attention, jagged_attention_backward, note_variant
 from .validation import ACTIVATIONS
 
-# The kernel modules (attention_triton, attention_ascend) fall back to the reference through these
+# The kernel modules (triton.py, ascend.py) fall back to the reference through these
 # names; they import them from here until they move into this package.
 from .reference import (_attention_backward_reference, _attention_reference, _autograd_reenabled,  # noqa: F401
                         _grad_placeholder)

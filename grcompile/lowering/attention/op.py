@@ -12,11 +12,11 @@ from .reference import _attention_backward_reference, _attention_reference, _gra
 from .validation import _check_dropout, _check_meta
 
 register_op("jagged_attention", reference=_attention_reference,
-            triton="grcompile.lowering.attention_triton:attention_triton",
-            ascend="grcompile.lowering.attention_ascend:attention_ascend")
+            triton="grcompile.lowering.attention.triton:attention_triton",
+            ascend="grcompile.lowering.attention.ascend:attention_ascend")
 register_op("jagged_attention_backward", reference=_attention_backward_reference,
-            triton="grcompile.lowering.attention_triton:attention_backward_triton",
-            ascend="grcompile.lowering.attention_ascend:attention_backward_ascend")
+            triton="grcompile.lowering.attention.triton:attention_backward_triton",
+            ascend="grcompile.lowering.attention.ascend:attention_backward_ascend")
 
 
 # --------------------------------------------------------------------------------------------

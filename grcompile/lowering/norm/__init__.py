@@ -14,7 +14,7 @@ rounds (``g ⊙ u`` and the norm ``du`` multiplies by), from the saved inputs on
     du = g ⊙ n,   g_n = g ⊙ u
     dx = r·(g_n − mean(g_n) − n·mean(g_n ⊙ n))   (layer; rms drops the mean(g_n) term)
 
-Triton (:mod:`.norm_triton`, imported on first use): one pass per block of rows, fused with the
+Triton (:mod:`.triton`, imported on first use): one pass per block of rows, fused with the
 gate, and a backward kernel writing ``dx`` and ``du`` together. The backward runs as its own op
 ``grcompile::gated_norm_backward`` (``[dx]`` or ``[dx, du]``) only where the chosen backend for
 ``x``'s device is Triton; elsewhere the autograd formula stays the plain-torch one above, so the
@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import OPS, lookup, register_op
+from .. import OPS, lookup, register_op
 
 KINDS = ("layer", "rms")
 _OP = "grcompile::gated_norm"
@@ -89,9 +89,9 @@ def _gated_norm_backward_reference(grad: torch.Tensor, x: torch.Tensor, u: Optio
     return [g for g in gated_norm_backward(grad, x, u, kind, eps) if g is not None]
 
 
-register_op("gated_norm", reference=_gated_norm_reference, triton="grcompile.lowering.norm_triton:gated_norm_triton")
+register_op("gated_norm", reference=_gated_norm_reference, triton="grcompile.lowering.norm.triton:gated_norm_triton")
 register_op("gated_norm_backward", reference=_gated_norm_backward_reference,
-            triton="grcompile.lowering.norm_triton:gated_norm_backward_triton")
+            triton="grcompile.lowering.norm.triton:gated_norm_backward_triton")
 
 
 @torch.library.custom_op("grcompile::gated_norm", mutates_args=())

@@ -88,9 +88,9 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from . import note_fallback
-from . import score_mod as _sm
-from .score_mod import ScoreMod, get_score_mod
+from .. import note_fallback
+from .. import score_mod as _sm
+from ..score_mod import ScoreMod, get_score_mod
 
 _OP = "grcompile::jagged_attention"
 
@@ -508,7 +508,7 @@ def _lower(q, k, v, offs, positions, q_side, k_side, tables, *, score_mod, use_q
     # b: the bias before the activation (mxrec's values), and with autograd for the backward
     live_b, live_post, leaves = None, None, []
     if backward and score_mod:
-        from .attention import _autograd_reenabled
+        from . import _autograd_reenabled
         with _autograd_reenabled():
             leaves = [(g, i, t.detach().requires_grad_()) for g, ts in (("q_side", q_side), ("k_side", k_side),
                                                                       ("tables", tables))
@@ -592,7 +592,7 @@ def _mxrec_args(call: _Call, offsets: torch.Tensor) -> dict:
 def attention_ascend(q, k, v, offsets, positions, q_side, k_side, tables, seed=None, *, score_mod, use_qk, activation,
                      scale, out_scale, causal, max_len, dropout_p=0.0):
     """``jagged_attention`` on mxrec.hstu_jagged, or the reference with a reason."""
-    from .attention import _attention_reference, _check_dropout, _check_meta, _check_values
+    from . import _attention_reference, _check_dropout, _check_meta, _check_values
     _check_meta(q, k, v, offsets, positions, q_side, k_side, tables, score_mod, activation, max_len)
     _check_dropout(seed, dropout_p, q.device)
     offs = _check_values(offsets, positions, q.shape[0], max_len)
@@ -615,7 +615,7 @@ def attention_backward_ascend(grad_out, q, k, v, offsets, positions, q_side, k_s
                               use_qk, activation, scale, out_scale, causal, max_len, dropout_p=0.0):
     """``jagged_attention_backward`` on mxrec.hstu_jagged_backward (dq, dk, dv, d bias), the
     tables' and side tensors' gradients pulled back through the bias; or the reference."""
-    from .attention import _attention_backward_reference, _autograd_reenabled, _grad_placeholder
+    from . import _attention_backward_reference, _autograd_reenabled, _grad_placeholder
     kwargs = dict(score_mod=score_mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale,
                   causal=causal, dropout_p=dropout_p)
     offs = offsets.tolist()

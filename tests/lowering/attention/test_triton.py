@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 # GRCOMPILE_TEST_DEVICE=cuda runs the kernel-vs-reference cases natively on a GPU, e.g.
-#   GRCOMPILE_TEST_DEVICE=cuda pytest tests/lowering/test_attention_triton.py -k "reference or bias or bf16"
+#   GRCOMPILE_TEST_DEVICE=cuda pytest tests/lowering/attention/test_triton.py -k "reference or bias or bf16"
 DEVICE = os.environ.get("GRCOMPILE_TEST_DEVICE", "cpu")
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -26,7 +26,7 @@ from grcompile.lowering import score_mod as S  # noqa: E402
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="Triton on CPU tensors needs TRITON_INTERPRET=1 before triton is imported")
 
-at = pytest.importorskip("grcompile.lowering.attention_triton")
+at = pytest.importorskip("grcompile.lowering.attention.triton")
 
 
 def additive_mask(score, q_pos, k_pos, k_side_0):

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .norm import _cdtype, _check, gated_norm_backward, _gated_norm_reference
+from . import _cdtype, _check, gated_norm_backward, _gated_norm_reference
 
 MAX_D = 16384
 _ELEMS = 2048  # elements per program: rows are batched until a block holds about this many

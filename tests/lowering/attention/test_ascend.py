@@ -1,4 +1,4 @@
-"""The Ascend lowering of ``jagged_attention`` (``grcompile/lowering/attention_ascend.py``), checked at
+"""The Ascend lowering of ``jagged_attention`` (``grcompile/lowering/attention/ascend.py``), checked at
 graph level: no NPU and no torch_npu exist here, so the mxrec ops are CPU stubs (``mxrec_stub``) that
 check their arguments like RecSDK's wrappers and compute RecSDK's golden math. Each test checks
 which mxrec op is called with which arguments, and that the values and gradients equal the
@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from grcompile.lowering import OPS, use_backend
 from grcompile.lowering import attention as ref
-from grcompile.lowering import attention_ascend as asc
+from grcompile.lowering.attention import ascend as asc
 from grcompile.lowering.score_mod import (hstu_rab_key, register_score_mod, relative_position_bias_key,
                                           relative_time_bias_key)
 from tests.lowering import mxrec_stub as stub

@@ -38,8 +38,8 @@ from typing import Optional
 
 import torch
 
-from .score_mod import get_score_mod
-from .score_mod_codegen import HEAD_BOUND, POSITION_BOUND, ScoreModCode, Unsupported, generate
+from ..score_mod import get_score_mod
+from ..score_mod_codegen import HEAD_BOUND, POSITION_BOUND, ScoreModCode, Unsupported, generate
 
 _OP = "grcompile::jagged_attention"
 _ACT = {"identity": 0, "silu": 1, "softmax": 2}
@@ -641,7 +641,7 @@ def _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score
 def attention_triton(q, k, v, offsets, positions, q_side, k_side, tables, seed=None, *, score_mod, use_qk,
                      activation, scale, out_scale, causal, max_len, dropout_p=0.0):
     """The Triton forward; the reference when the kernel cannot run this call (with a warning)."""
-    from .attention import _attention_reference, _check_dropout, _check_meta, _check_values
+    from . import _attention_reference, _check_dropout, _check_meta, _check_values
     _check_meta(q, k, v, offsets, positions, q_side, k_side, tables, score_mod, activation, max_len)
     _check_dropout(seed, dropout_p, q.device)
     _check_values(offsets, positions, q.shape[0], max_len)
@@ -658,7 +658,7 @@ def attention_triton(q, k, v, offsets, positions, q_side, k_side, tables, seed=N
 
 def _note_fallback(score_mod: str, why: str, op: str = "jagged_attention") -> None:
     """The reference runs this call; the registry keeps why (``report()`` shows it), warned once."""
-    from . import note_fallback
+    from .. import note_fallback
     if note_fallback(op, score_mod, why):
         import warnings
         warnings.warn(f"{_OP}: the Triton kernel does not run score_mod {score_mod or '(none)'!r}: {why}; "
@@ -667,7 +667,7 @@ def _note_fallback(score_mod: str, why: str, op: str = "jagged_attention") -> No
 
 def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed=None, *,
                               score_mod, use_qk, activation, scale, out_scale, causal, max_len, dropout_p=0.0):
-    from .attention import _attention_backward_reference, _grad_placeholder
+    from . import _attention_backward_reference, _grad_placeholder
     kwargs = dict(score_mod=score_mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale,
                   causal=causal, max_len=max_len, dropout_p=dropout_p)
     try:
@@ -778,7 +778,7 @@ def aot_cases() -> dict[str, tuple]:
     q_sides, k_sides, tables)`` — SASRec (none, softmax, dropout), HSTU (relative position +
     time-bucket tables, SiLU), FuXi-α's positional channel (no q·k) and a zoo-style per-head
     time-bucket table."""
-    from .score_mod import hstu_rab_key, register_score_mod, relative_position_bias_key
+    from ..score_mod import hstu_rab_key, register_score_mod, relative_position_bias_key
     N, H = 8192, 8
     stamps = torch.zeros(4, dtype=torch.int64)
     return {

@@ -17,10 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grcompile.lowering import OPS, use_backend
-from grcompile.lowering import norm_triton
+from grcompile.lowering.norm import triton as norm_triton
 from grcompile.lowering.norm import gated_norm_backward
 
-from . import PROFILE
+from tests.lowering import PROFILE
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -142,7 +142,7 @@ def test_backward_matches_the_analytic_formula_on_noncontiguous_grad() -> None:
 _AOT = """
 import json, triton
 from triton.backends.compiler import GPUTarget
-from grcompile.lowering.norm_triton import aot_configs
+from grcompile.lowering.norm.triton import aot_configs
 configs = aot_configs()
 c = next(c for c in configs if c["kernel"] == "gated_norm_bwd" and c["config"]["dtype"] == "bf16")
 k = triton.compile(triton.compiler.ASTSource(fn=c["fn"], signature=c["signature"], constexprs=c["constexprs"]),
