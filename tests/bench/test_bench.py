@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from fractions import Fraction
@@ -168,3 +169,27 @@ def test_attention_kernel_timer_runs_in_the_interpreter(tmp_path: Path) -> None:
     for name in ("fwd", "bwd"):
         assert r[name]["ms"] > 0 and r[name]["mfu"] is None and r[name]["useful_tflop"] > 0
     assert r["bwd"]["useful_tflop"] == pytest.approx(2.5 * r["fwd"]["useful_tflop"])
+
+
+def test_parity_compares_two_runs_losses(tmp_path: Path) -> None:
+    """bench.parity: tail means, their standard errors and the gap in standard errors, and a plot."""
+    from grcompile.bench import parity
+
+    def write(name: str, losses: list[float], precision: str) -> str:
+        path = tmp_path / name
+        path.write_text(json.dumps({"results": {"grcompile": {"losses": losses, "precision": precision}}}))
+        return str(path)
+    a = write("a.json", [5.0, 4.0, 3.0, 2.0, 2.1, 1.9, 2.0, 2.2, 1.8], "fp32")
+    b = write("b.json", [5.0, 4.0, 3.0, 2.0, 3.1, 2.9, 3.0, 3.2, 2.8], "bf16")
+    runs = [parity.run_losses(a, "grcompile"), parity.run_losses(b, "grcompile")]
+    assert [label for label, _ in runs] == ["grcompile fp32", "grcompile bf16"]
+    result = parity.compare(runs, window=5)
+    assert result["runs"]["grcompile fp32"]["mean"] == pytest.approx(2.0)
+    assert result["runs"]["grcompile bf16"]["mean"] == pytest.approx(3.0)
+    se = parity.tail_stats(runs[0][1], 5)[1]
+    assert se == pytest.approx(statistics.stdev([2.1, 1.9, 2.0, 2.2, 1.8]) / 5 ** 0.5)
+    assert result["gap_in_stderr"] == pytest.approx(1.0 / (2 ** 0.5 * se))
+    assert parity.moving_average([1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
+    out = tmp_path / "p.png"
+    assert parity.main([a, b, "--window", "5", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
