@@ -20,7 +20,10 @@ set ``TRITON_INTERPRET=1`` before importing torch).
 Importing this package registers every op (``torch.ops.grcompile.*``): ``jagged_attention`` (+ its
 ``jagged_attention_backward``), ``gated_norm`` (+ ``gated_norm_backward``, used by the Triton
 backend), ``score_mod_attention`` (+ backward), ``pack_index``, ``check_index``,
-``check_unchanged``; ops declare what they mean to the passes in :mod:`.semantics`. Each module
+``check_unchanged``; ops declare what they mean to the passes in :mod:`.semantics`. Every compute
+op runs through :func:`lookup` (``pack_index`` and the composite ``score_mod_attention`` with their
+one implementation as the reference); the input checks ``check_index`` / ``check_unchanged`` are
+not kernels and call plain torch. Each module
 exports the overload the passes emit by name (``JAGGED_ATTENTION``, ``PACK_INDEX``, ...). Helpers:
 :mod:`.jagged` (packing), :mod:`.score_mod` (bias registry). This layer imports no other part of
 grcompile (docs/DESIGN.md, "Layers").
@@ -144,8 +147,10 @@ def note_fallback(name: str, key: str, why: str, kernel: str = "triton") -> bool
 
 
 def kernel_usage() -> dict[str, dict[str, int]]:
-    """``{op: {backend: calls}}`` of the ops run so far in this process."""
-    return {name: dict(entry.calls) for name, entry in sorted(OPS.items()) if entry.calls}
+    """``{op: {backend: calls}}`` of the ops with a kernel slot run so far in this process (the
+    others — ``pack_index``, the composite ``score_mod_attention`` — have nothing to choose)."""
+    return {name: dict(entry.calls) for name, entry in sorted(OPS.items())
+            if entry.calls and (entry.triton is not None or entry.ascend is not None)}
 
 
 def kernel_fallbacks() -> list[str]:

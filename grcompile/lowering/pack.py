@@ -9,12 +9,22 @@ from __future__ import annotations
 
 import torch
 
+from . import lookup, register_op
+
+
+def _pack_index_reference(valid: torch.Tensor) -> torch.Tensor:
+    return torch.nonzero(valid.reshape(-1)).reshape(-1)
+
+
+# no kernel slots: torch.nonzero is the device's own compaction on every backend
+register_op("pack_index", reference=_pack_index_reference)
+
 
 @torch.library.custom_op("grcompile::pack_index", mutates_args=())
 def pack_index(valid: torch.Tensor) -> torch.Tensor:
     if valid.dtype != torch.bool or valid.dim() != 2:
         raise ValueError(f"pack_index: valid must be a bool [B, N] mask, got {valid.dtype} {tuple(valid.shape)}")
-    return torch.nonzero(valid.reshape(-1)).reshape(-1)
+    return lookup("pack_index", valid.device.type)(valid)
 
 
 @pack_index.register_fake

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from . import lookup
+from . import lookup, register_op
 from .attention import note_variant
 from .jagged import dense_to_jagged, jagged_index, jagged_to_dense, padded_positions, valid_to_offsets
 from .score_mod import get_score_mod, register_score_mod  # noqa: F401 (re-exported for passes)
@@ -64,14 +64,10 @@ def _kwargs(q, valid, score_mod, normalize, causal, dropout_p):
                 out_scale=1.0, causal=causal, max_len=max(1, valid.shape[1]), dropout_p=dropout_p)
 
 
-@torch.library.custom_op("grcompile::score_mod_attention", mutates_args=())
-def score_mod_attention(q: Optional[torch.Tensor], k: Optional[torch.Tensor], v: torch.Tensor, valid: torch.Tensor,
-                        q_sides: list[torch.Tensor], k_sides: list[torch.Tensor], tables: list[torch.Tensor],
-                        seed: Optional[torch.Tensor], score_mod: str, normalize: str, causal: bool,
-                        dropout_p: float) -> torch.Tensor:
-    """Every argument is required: one left to its default would change the structure autograd
-    expects back from the backward."""
-    _check(q, k, v, valid, q_sides, k_sides, normalize)
+def _score_mod_attention_dense(q, k, v, valid, q_sides, k_sides, tables, seed, score_mod, normalize, causal,
+                               dropout_p):
+    """Pack, run ``jagged_attention`` (whose kernel the device picks), scatter back: the op is a
+    composite, so its only implementation is this one on every backend."""
     index, qj, kj, vj, offsets, positions, qs, ks = _packed(q, k, v, valid, q_sides, k_sides)
     note_variant(qj, vj, qs, ks, tables, score_mod=score_mod, activation=_ACTIVATION[normalize], causal=causal,
                  use_qk=q is not None, dropout_p=dropout_p)
@@ -81,10 +77,41 @@ def score_mod_attention(q: Optional[torch.Tensor], k: Optional[torch.Tensor], v:
     return jagged_to_dense(out, index, B, N)
 
 
+register_op("score_mod_attention", reference=_score_mod_attention_dense)
+
+
+@torch.library.custom_op("grcompile::score_mod_attention", mutates_args=())
+def score_mod_attention(q: Optional[torch.Tensor], k: Optional[torch.Tensor], v: torch.Tensor, valid: torch.Tensor,
+                        q_sides: list[torch.Tensor], k_sides: list[torch.Tensor], tables: list[torch.Tensor],
+                        seed: Optional[torch.Tensor], score_mod: str, normalize: str, causal: bool,
+                        dropout_p: float) -> torch.Tensor:
+    """Every argument is required: one left to its default would change the structure autograd
+    expects back from the backward."""
+    _check(q, k, v, valid, q_sides, k_sides, normalize)
+    return lookup("score_mod_attention", v.device.type)(q, k, v, valid, q_sides, k_sides, tables, seed, score_mod,
+                                                        normalize, causal, dropout_p)
+
+
 @score_mod_attention.register_fake
 def _(q, k, v, valid, q_sides, k_sides, tables, seed, score_mod, normalize, causal, dropout_p):
     _check(q, k, v, valid, q_sides, k_sides, normalize)
     return v.new_empty(v.shape)  # contiguous, like jagged_to_dense's result whatever v's strides
+
+
+def _score_mod_attention_backward_dense(grad, q, k, v, valid, q_sides, k_sides, tables, score_mod, normalize, causal,
+                                        seed, dropout_p):
+    index, qj, kj, vj, offsets, positions, qs, ks = _packed(q, k, v, valid, q_sides, k_sides)
+    dq, dk, dv, dqs, dks, dtables = lookup("jagged_attention_backward", v.device.type)(
+        dense_to_jagged(grad, index).contiguous(), qj, kj, vj, offsets, positions, qs, ks, list(tables), seed,
+        **_kwargs(q, valid, score_mod, normalize, causal, dropout_p))
+    B, N = valid.shape
+    dense = [jagged_to_dense(g, index, B, N) if q is not None else grad.new_empty(0) for g in (dq, dk)]
+    sides = [jagged_to_dense(g, index, B, N) if s.is_floating_point() else grad.new_empty(0)
+             for g, s in zip([*dqs, *dks], [*q_sides, *k_sides])]
+    return [*dense, jagged_to_dense(dv, index, B, N), *sides, *(d.contiguous() for d in dtables)]
+
+
+register_op("score_mod_attention_backward", reference=_score_mod_attention_backward_dense)
 
 
 @torch.library.custom_op("grcompile::score_mod_attention_backward", mutates_args=())
@@ -95,15 +122,8 @@ def score_mod_attention_backward(grad: torch.Tensor, q: Optional[torch.Tensor], 
                                  dropout_p: float) -> list[torch.Tensor]:
     """``[dq, dk, dv, *dq_sides, *dk_sides, *dtables]`` (dense; empty tensors for a missing q/k and
     for integer sides or tables)."""
-    index, qj, kj, vj, offsets, positions, qs, ks = _packed(q, k, v, valid, q_sides, k_sides)
-    dq, dk, dv, dqs, dks, dtables = lookup("jagged_attention_backward", v.device.type)(
-        dense_to_jagged(grad, index).contiguous(), qj, kj, vj, offsets, positions, qs, ks, list(tables), seed,
-        **_kwargs(q, valid, score_mod, normalize, causal, dropout_p))
-    B, N = valid.shape
-    dense = [jagged_to_dense(g, index, B, N) if q is not None else grad.new_empty(0) for g in (dq, dk)]
-    sides = [jagged_to_dense(g, index, B, N) if s.is_floating_point() else grad.new_empty(0)
-             for g, s in zip([*dqs, *dks], [*q_sides, *k_sides])]
-    return [*dense, jagged_to_dense(dv, index, B, N), *sides, *(d.contiguous() for d in dtables)]
+    return lookup("score_mod_attention_backward", v.device.type)(grad, q, k, v, valid, q_sides, k_sides, tables,
+                                                                 score_mod, normalize, causal, seed, dropout_p)
 
 
 @score_mod_attention_backward.register_fake
