@@ -695,20 +695,20 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
     ft = code.float_tables if code else []
     dqs = {i: torch.zeros(T, H, dtype=torch.float32, device=q.device) for i in fq}
     dks = {i: torch.zeros(T, H, dtype=torch.float32, device=q.device) for i in fk}
-    blocks_kv = launch_config("bwd_kv", q.shape[2], v.shape[2], q.device, plain=code is None and dropout_p == 0)[0]
+    meta, seed_t = _common(q, k, v, offsets, positions, seed, activation=activation, causal=causal, use_qk=use_qk,
+                           scale=scale, out_scale=out_scale, dropout_p=dropout_p)
+    plain = _is_plain(meta, code is not None)
+    blocks_kv = launch_config("bwd_kv", q.shape[2], v.shape[2], q.device, plain=plain)[0]
     replicas = _table_grad_replicas([tables[i].numel() for i in ft],
                                     math.ceil(max_len / blocks_kv["BLOCK_N"]) * (offsets.shape[0] - 1) * H)
     dtabs = {i: torch.zeros((replicas, *tables[i].shape), dtype=torch.float32, device=q.device) for i in ft}
     grad_args = [dqs[i] for i in fq] + [dks[i] for i in fk] + [dtabs[i] for i in ft] + [replicas]
-    meta, seed_t = _common(q, k, v, offsets, positions, seed, activation=activation, causal=causal, use_qk=use_qk,
-                           scale=scale, out_scale=out_scale, dropout_p=dropout_p)
     B = offsets.shape[0] - 1
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                grad_out.stride(0), grad_out.stride(1))
     try:
         if T and B:
             side_args = _side_args(q_side, k_side, all_tables)
-            plain = _is_plain(meta, code is not None)
             _launch(module, "bwd_kv", meta, max_len, B, q, k, v, grad_out, lse, delta, dk, dv, offsets, positions,
                     seed_t, *side_args, *grad_args, *strides, plain=plain)
             if use_qk or fq:  # without q·k and query-side gradients there is nothing for bwd_q to compute

@@ -246,12 +246,26 @@ def test_dropout_masks_are_bit_identical_to_the_reference():
     assert 0.3 < (got != 0).float().mean() < 0.7
 
 
-def test_table_index_out_of_range_raises_naming_the_score_mod():
-    key = S.register_score_mod(lambda q_pos, k_pos, q_side, k_side, tables: tables[0][k_pos + 5], name="too_far")
+def _flags_per_row(monkeypatch) -> None:
+    """Run the kernels with OOB_ROWS (sm_80's out-of-range flags per query row) on any device."""
+    common = at._common
+
+    def rows(*args, **kwargs):
+        meta, seed = common(*args, **kwargs)
+        return dict(meta, OOB_ROWS=True), seed
+    monkeypatch.setattr(at, "_common", rows)
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_table_index_out_of_range_raises_naming_the_score_mod(per_row, monkeypatch):
+    if per_row:
+        _flags_per_row(monkeypatch)
+    key = S.register_score_mod(lambda q_pos, k_pos, q_side, k_side, tables: tables[0][k_pos + 5],
+                               name=f"too_far_{per_row}")
     args, kwargs = _case([6, 2], 1, 4, 4, "silu", True, 0.0, "none", 1)
     args = (*args[:7], [torch.randn(8)], args[8])
     kwargs["score_mod"] = key
-    with pytest.raises(ValueError, match="too_far.*out of range"):
+    with pytest.raises(ValueError, match=f"too_far_{per_row}.*out of range"):
         at.attention_triton(*args, **kwargs)
 
 
@@ -431,17 +445,7 @@ def test_a_tile_over_shared_memory_is_shrunk_then_remembered(monkeypatch):
 
 
 def test_out_of_range_flags_per_row_as_on_sm80(monkeypatch):
-    """sm_80 keeps the out-of-range flags per query row (OOB_ROWS): same values, same error."""
-    common = at._common
-
-    def rows(*args, **kwargs):
-        meta, seed = common(*args, **kwargs)
-        return dict(meta, OOB_ROWS=True), seed
-    monkeypatch.setattr(at, "_common", rows)
+    """sm_80 keeps the out-of-range flags per query row (OOB_ROWS): same values (the error:
+    test_table_index_out_of_range_raises_naming_the_score_mod[True])."""
+    _flags_per_row(monkeypatch)
     _assert_match(*_case([23, 0, 1, 7], 2, 8, 8, "silu", True, 0.0, "hstu", 5))
-    key = S.register_score_mod(lambda q_pos, k_pos, q_side, k_side, tables: tables[0][k_pos + 5], name="too_far_rows")
-    args, kwargs = _case([6, 2], 1, 4, 4, "silu", True, 0.0, "none", 1)
-    args = (*args[:7], [torch.randn(8)], args[8])
-    kwargs["score_mod"] = key
-    with pytest.raises(ValueError, match="too_far_rows.*out of range"):
-        at.attention_triton(*args, **kwargs)
