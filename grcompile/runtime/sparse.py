@@ -14,7 +14,8 @@ Per lookup the runtime (``SparseRuntime.forward``):
      id all-to-all, stage-2 dedup on the owner (``lookup`` / ``two_stage``), the embedding
      all-to-all;
   5. re-expands and scatters into ``[*ids.shape, D]`` with the original padding row at padding.
-The lookup's autograd graph is kept until ``backward(feature, ids, grad)`` runs it.
+The lookup's autograd graph is kept until ``backward(feature, ids, grad)`` runs it (at most
+``max_in_flight`` per feature); dynamic tables apply their fused update when that backward pass ends.
 
 Backends (``Tables``): ``LocalTables`` (one process, plain parameters), ``NativeTables``
 (row-wise ``ShardedEmbedding`` / ``HSPEmbedding`` on torch.distributed; dense-gradient shards, any
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -35,6 +37,8 @@ from .dedup import DEDUP_MODES, LookupStats, ShardedEmbedding
 from .features import FeatureConfig, TablePlan, find_sparse_features, plan_tables
 from .ids import require_int_ids
 from .lookup_op import register_runtime
+
+MAX_IN_FLIGHT = 32  # lookup graphs kept per feature while waiting for their backward
 
 
 class Tables(nn.Module):
@@ -200,10 +204,17 @@ class SparseRuntime:
     """Owns the tables and the in-flight lookups of one rewritten model (see module docstring)."""
 
     def __init__(self, plan: TablePlan, tables: Tables, *, dedup: str = "two_stage",
-                 pad_rows: Optional[dict[str, torch.Tensor]] = None, dynamic: Optional[Tables] = None) -> None:
+                 pad_rows: Optional[dict[str, torch.Tensor]] = None, dynamic: Optional[Tables] = None,
+                 max_in_flight: int = MAX_IN_FLIGHT) -> None:
         if dedup not in DEDUP_MODES:
             raise ValueError(f"dedup must be one of {DEDUP_MODES}, got {dedup!r}")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.plan, self.tables, self.dedup, self.dynamic = plan, tables, dedup, dynamic
+        self.max_in_flight = max_in_flight
+        self._dynamic_grads_pending = False  # a dynamic lookup's backward ran; its fused update has not
+        self._update_queued = False  # the end-of-backward callback is queued in the running backward
+        self.dropped_lookups = 0  # lookup graphs released because their backward never came
         self.pad_rows = pad_rows or {}
         self.handle = register_runtime(self)
         self.seconds = {"forward": 0.0, "backward": 0.0}  # wall time inside the lookups and their backward
@@ -244,7 +255,7 @@ class SparseRuntime:
         else:
             values = backend.lookup(f.table, rows)
         if keep_graph and values.requires_grad:
-            self._in_flight.setdefault(feature, []).append((ids.detach().clone(), values))
+            self._keep_in_flight(feature, ids, values)
         values = values.detach()
         if valid is None:
             return values.view(*ids.shape, f.dim)
@@ -273,12 +284,52 @@ class SparseRuntime:
         if f.pad is not None:
             flat_grad = flat_grad[ids.reshape(-1) != f.pad]
         values.backward(flat_grad.to(values.dtype))
+        if f.dynamic:
+            self._dynamic_grads_pending = True
+            self._queue_dynamic_update()
+
+    def _keep_in_flight(self, feature: str, ids: torch.Tensor, values: torch.Tensor) -> None:
+        """Keep the lookup's graph for its backward, at most ``max_in_flight`` per feature: forwards
+        in training mode whose backward never comes (metrics computed without ``torch.no_grad()``)
+        would otherwise hold every graph they made."""
+        pending = self._in_flight.setdefault(feature, [])
+        pending.append((ids.detach().clone(), values))
+        if len(pending) > self.max_in_flight:
+            del pending[0]
+            self.dropped_lookups += 1
+            if self.dropped_lookups == 1:
+                warnings.warn(
+                    f"grcompile sparse runtime: feature {feature!r} has more than {self.max_in_flight} lookups "
+                    f"waiting for a backward; the oldest is released (its backward, if it ever comes, will raise). "
+                    f"Run forwards that need no gradient under torch.no_grad() or model.eval(), or pass a larger "
+                    f"max_in_flight to shard_embeddings.", stacklevel=3)
+
+    def _queue_dynamic_update(self) -> None:
+        """Apply the dynamic tables' fused update once, when the running backward pass ends, so
+        ``loss.backward(); opt.step()`` trains them with nothing else to call."""
+        if self._update_queued:
+            return
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        except RuntimeError:
+            return  # not inside a backward pass (a direct runtime.backward call): after_backward() applies it
+        self._update_queued = True
+
+    def _end_of_backward(self) -> None:
+        self._update_queued = False
+        self._apply_dynamic_update()
+
+    def _apply_dynamic_update(self) -> None:
+        if self.dynamic is not None and self._dynamic_grads_pending:
+            self._dynamic_grads_pending = False
+            self.dynamic.after_backward()
 
     def after_backward(self) -> None:
-        """After ``loss.backward()``, before the optimizer step: HSP's gradient sync, dynamic tables' update."""
+        """After ``loss.backward()``, before the optimizer step: HSP's gradient sync (which the
+        training loop calls; a loop of your own with HSP must call it too). The dynamic tables'
+        update has normally run already, at the end of the backward pass; this applies it if not."""
         self.tables.after_backward()
-        if self.dynamic is not None:
-            self.dynamic.after_backward()
+        self._apply_dynamic_update()
 
     def new_step(self) -> None:
         """Drop lookups whose backward never came (a forward under grad whose loss was not used)."""
@@ -326,14 +377,16 @@ DYNAMIC_ATTR = "grcompile_dynamic_tables"
 
 def shard_embeddings(model: nn.Module, *, backend: str = "local", features: Sequence[FeatureConfig] = (),
                      dedup: str = "two_stage", sharding: str = "auto", group_size: Optional[int] = None,
-                     fused_optimizer: Optional[dict] = None, seed: int = 0, log=None) -> SparseRuntime:
+                     fused_optimizer: Optional[dict] = None, seed: int = 0, max_in_flight: int = MAX_IN_FLIGHT,
+                     log=None) -> SparseRuntime:
     """Rewrite ``model`` in place (see module docstring) and return its runtime.
 
     ``backend``: ``local`` | ``native`` (row-wise, HSP with ``group_size``) | ``torchrec``
     (``sharding`` row | table | column | auto, ``fused_optimizer`` e.g. ``{"type": "sgd", "lr": 0.1}``).
     Features configured ``dynamic`` go to hash tables (``DynamicTables``; sharded by id on the
-    distributed backends, updated by ``fused_optimizer``'s sgd/adagrad rule). Every rank must call
-    it with the same model (same initial weights)."""
+    distributed backends, updated by ``fused_optimizer``'s sgd/adagrad rule at the end of every
+    backward pass that reached them). ``max_in_flight``: lookup graphs kept per feature for a
+    backward that has not come yet. Every rank must call it with the same model (same initial weights)."""
     found = find_sparse_features(model, features)
     if not found:
         raise ValueError("no sparse feature found: no nn.Embedding has a padding_idx (name modules with "
@@ -369,7 +422,8 @@ def shard_embeddings(model: nn.Module, *, backend: str = "local", features: Sequ
     for name, spec in static_plan.tables.items():
         tables.load_full(name, torch.cat([weights[f] for f in spec.features]))
     pad_rows = {f.name: weights[f.name][f.pad].clone() for f in found if f.pad is not None}
-    runtime = SparseRuntime(plan, tables, dedup=dedup, pad_rows=pad_rows, dynamic=dynamic)
+    runtime = SparseRuntime(plan, tables, dedup=dedup, pad_rows=pad_rows, dynamic=dynamic,
+                            max_in_flight=max_in_flight)
     for f in found:
         parent_name, _, attr = f.module.rpartition(".")
         parent = modules[parent_name] if parent_name else model
@@ -382,6 +436,15 @@ def shard_embeddings(model: nn.Module, *, backend: str = "local", features: Sequ
     return runtime
 
 
+def sparse_runtime(model: nn.Module) -> SparseRuntime:
+    """The runtime behind a model rewritten by ``shard_embeddings`` (or ``optimize(sparse=...)``)."""
+    model = getattr(model, "_orig_mod", model)  # a torch.compile'd module
+    for module in model.modules():
+        if isinstance(module, SparseFeature):
+            return module.runtime
+    raise ValueError(f"{type(model).__name__} has no sparse features: it was not rewritten by shard_embeddings")
+
+
 def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters a data-parallel all-reduce syncs: everything but the sparse tables."""
     skip = {id(p) for attr in (TABLES_ATTR, DYNAMIC_ATTR) if getattr(model, attr, None) is not None
@@ -390,4 +453,4 @@ def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 __all__ = ["LocalTables", "NativeTables", "SparseFeature", "SparseRuntime", "Tables", "dense_parameters",
-           "shard_embeddings"]
+           "shard_embeddings", "sparse_runtime"]

@@ -174,11 +174,12 @@ def test_dynamic_feature_is_a_hash_table_with_tagged_ids():
                         table.tags.tag("encoder.category_embedding", categories)])
     rows = hash_table.rows_of(tagged, insert=False)
     assert (rows >= 0).all() and rows.unique().numel() == rows.numel()
-    loss.backward()
     before = torch.cat([b.detach().clone() for b in hash_table.blocks])
-    runtime.after_backward()  # the fused SGD update of the touched rows
-    after = torch.cat([b.detach() for b in hash_table.blocks])
+    loss.backward()  # the fused SGD update of the touched rows runs when the backward pass ends
+    after = torch.cat([b.detach().clone() for b in hash_table.blocks])
     assert not torch.equal(before, after)
+    runtime.after_backward()  # the training loop's explicit call: nothing left to apply
+    assert torch.equal(after, torch.cat([b.detach() for b in hash_table.blocks]))
     # ids beyond the static table are fine for a dynamic feature; negative ids are not
     big = torch.full((1, N), 10**12)
     assert task.encoder.item_embedding(big).shape == (1, N, 16)
