@@ -97,3 +97,16 @@ def forward_flops(config: Any, lengths: Iterable[int], num_negatives: int) -> di
 def training_flops(config: Any, lengths: Iterable[int], num_negatives: int) -> int:
     """FLOPs of one training step (forward + backward) = 3 × forward."""
     return TRAINING_MULTIPLIER * forward_flops(config, lengths, num_negatives)["total"]
+
+
+def sequence_cost_coefficients(config: Any, num_negatives: int) -> tuple[float, float]:
+    """``(a, b)`` with ``training_flops(config, [n], R) == a·n + b·n²`` for every length ``n``.
+
+    Every term above is linear in ``T`` or in ``P = n(n+1)/2``, so two evaluations fix the
+    coefficients exactly: ``f(1) = a + b`` and ``f(2) = 2a + 4b``. Used to balance sequences
+    across ranks by estimated cost (grcompile/data/balance.py).
+    """
+    f1 = training_flops(config, [1], num_negatives)
+    f2 = training_flops(config, [2], num_negatives)
+    b = (f2 - 2 * f1) / 2
+    return float(f1 - b), float(b)
