@@ -296,3 +296,32 @@ def test_truncate_rows_keeps_the_most_recent_tokens():
     assert torch.equal(out["negatives"][0, :3], batch["negatives"][0, 2:5])
     assert row_lengths(out["ids"]).tolist() == [3, 2, 0]
     assert torch.equal(batch["ids"], _padded([5, 2, 4], 6)["ids"])  # input unchanged
+
+
+# -- the benchmark CLI --------------------------------------------------------------------------------
+def test_bench_balance_cli(tmp_path):
+    import json
+
+    from grcompile.bench.balance import main
+
+    report = main(["--steps", "12", "--warmup", "3", "--num-users", "3000", "--json", str(tmp_path / "b.json"),
+                   "--plot", str(tmp_path / "b.png")])
+    assert json.loads((tmp_path / "b.json").read_text())["simulated"].keys() == report["simulated"].keys()
+    assert (tmp_path / "b.png").stat().st_size > 0
+    sim = report["simulated"]
+    assert sim["realloc_cost"]["wait_share_modelled"] < sim["equal"]["wait_share_modelled"]
+    assert sim["realloc_tokens"]["token_spread_mean"] < sim["equal"]["token_spread_mean"]
+    assert sim["equal"]["rows_per_step"] == sim["realloc_cost"]["rows_per_step"] == 128
+    assert sim["sl"]["steps"] == sim["lbsl"]["steps"] == 9
+
+
+@pytest.mark.slow
+def test_bench_balance_measures_on_gloo_ranks():
+    from grcompile.bench.balance import measure, method_plans, synthetic_lengths
+
+    lengths = synthetic_lengths(500, 256)
+    plans = method_plans(lengths, 2, 8, 2, SequenceCost(1, 0.01), seed=0, max_len=256, alpha=1.6, gamma=1.5,
+                         warmup=1, recalibrate=5, methods=("equal", "realloc_tokens"))
+    out = measure(plans, 2, 256)
+    assert set(out) == {"equal", "realloc_tokens"}
+    assert all(0 <= r["wait_share_measured"] <= 1 and r["steps"] == 1 for r in out.values())
