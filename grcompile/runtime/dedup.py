@@ -12,9 +12,10 @@ embedding rows back. ``dedup`` picks what is made unique:
 * ``"two_stage"`` both (the default).
 
 Values and gradients are the same in every mode (tested against an unsharded table); the
-embedding all-to-all is ``_functional_collectives.all_to_all_single_autograd`` (differentiable),
-so the shard's gradient arrives through autograd. ``stats`` counts ids and bytes that cross
-ranks (sends to oneself excluded) and rows read from the shard.
+embedding all-to-all is asynchronous (``start`` issues it, ``PendingLookup.wait`` takes it) and
+differentiable (``_EmbeddingExchange``), so the shard's gradient arrives through autograd.
+``stats`` counts ids and bytes that cross ranks (sends to oneself excluded) and rows read from
+the shard.
 
 TorchRec's own dedup (``use_index_dedup``) needs CUDA-only fbgemm ops; this is the CPU path
 (gloo), written on torch.distributed's collectives.
@@ -27,7 +28,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 from .ids import require_int_ids
 
@@ -86,6 +86,11 @@ class ShardedEmbedding(nn.Module):
         return self.weight[ids // self.world]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.start(ids).wait()
+
+    def start(self, ids: torch.Tensor) -> "PendingLookup":
+        """Route the ids to their owners and read the rows (synchronous: the id all-to-all is small);
+        send the rows back asynchronously. ``wait()`` on the result gives ``forward(ids)``."""
         self.check(ids)
         W, D = self.world, self.dim
         flat = ids.reshape(-1).long()
@@ -108,11 +113,9 @@ class ShardedEmbedding(nn.Module):
         else:
             needed = recv
             rows = self.read_owned(recv)
-        group = self.group if self.group is not None else dist.group.WORLD
-        got = wait_tensor(all_to_all_single_autograd(rows, send_split, recv_split, group))
-        emb = got[torch.argsort(order)]  # back to the order of `send` before sorting by owner
-        if inverse is not None:
-            emb = emb[inverse]
+        received = rows.new_empty(len(send), D)
+        work = dist.all_to_all_single(received, rows.detach().contiguous(), send_split, recv_split,
+                                      group=self.group, async_op=True)
 
         element = rows.element_size()
         mine_out, mine_back = send_split[self.rank], recv_split[self.rank]
@@ -120,7 +123,47 @@ class ShardedEmbedding(nn.Module):
             ids_sent=len(send) - mine_out, id_bytes=(len(send) - mine_out) * send.element_size(),
             rows_sent=len(recv) - mine_back, embedding_bytes=(len(recv) - mine_back) * D * element,
             rows_read=int(needed.numel()), lookups=1))
-        return emb.view(*ids.shape, D)
+        return PendingLookup(self, tuple(ids.shape), rows, received, work, order, inverse, send_split, recv_split)
 
 
-__all__ = ["DEDUP_MODES", "LookupStats", "ShardedEmbedding"]
+class PendingLookup:
+    """A lookup whose embedding all-to-all is in flight. ``wait()`` returns the embeddings, wired
+    into autograd so that their backward sends the gradient back to the owners (on
+    ``grad_group`` when set: a second channel, so a gradient exchange can run on another thread
+    while the next lookup's collectives run on this one)."""
+
+    def __init__(self, module: ShardedEmbedding, shape: tuple[int, ...], rows: torch.Tensor, received: torch.Tensor,
+                 work, order: torch.Tensor, inverse: Optional[torch.Tensor], send_split: list[int],
+                 recv_split: list[int]) -> None:
+        self.module, self.shape, self.rows, self.received, self.work = module, shape, rows, received, work
+        self.order, self.inverse, self.send_split, self.recv_split = order, inverse, send_split, recv_split
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        group = getattr(self.module, "grad_group", None) or self.module.group
+        got = _EmbeddingExchange.apply(self.rows, self.received, self.send_split, self.recv_split, group)
+        emb = got[torch.argsort(self.order)]  # back to the order of `send` before sorting by owner
+        if self.inverse is not None:
+            emb = emb[self.inverse]
+        return emb.view(*self.shape, self.module.dim)
+
+
+class _EmbeddingExchange(torch.autograd.Function):
+    """Rows read on their owners → the rows this rank received (exchanged already, outside);
+    backward: the received rows' gradient back to the owners, onto the rows they read."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, received: torch.Tensor, send_split: list[int], recv_split: list[int],
+                group) -> torch.Tensor:
+        ctx.splits, ctx.group, ctx.rows_shape = (send_split, recv_split), group, rows.shape
+        return received.view_as(received)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        send_split, recv_split = ctx.splits
+        grad_rows = grad.new_empty(ctx.rows_shape)
+        dist.all_to_all_single(grad_rows, grad.contiguous(), recv_split, send_split, group=ctx.group)
+        return grad_rows, None, None, None, None
+
+
+__all__ = ["DEDUP_MODES", "LookupStats", "PendingLookup", "ShardedEmbedding"]

@@ -24,9 +24,12 @@ EmbeddingCollection, planner sharding, fused optimizer).
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import math
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -54,6 +57,15 @@ class Tables(nn.Module):
     def lookup(self, table: str, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def open_gradient_channel(self) -> None:
+        """Send the lookups' gradients over a process group of their own (collective: every rank
+        calls it), so they can travel on another thread than the next lookups. No-op in one process."""
+
+    def start_lookup(self, table: str, rows: torch.Tensor) -> "_Ready":
+        """``lookup`` split in two: started here, its values taken by ``wait()`` (backends whose
+        embedding exchange is asynchronous return it still in flight)."""
+        return _Ready(self.lookup(table, rows))
+
     def load_full(self, table: str, weight: torch.Tensor) -> None:
         """Set the whole table (the same tensor on every rank)."""
         raise NotImplementedError
@@ -75,6 +87,24 @@ class Tables(nn.Module):
         out = module(rows)
         self.stats.add(LookupStats(**{k: v - before[k] for k, v in module.stats.as_dict().items()}))
         return out
+
+
+class _Ready:
+    """A lookup that completed when it was started."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values = values
+
+    def wait(self) -> torch.Tensor:
+        return self.values
+
+
+@dataclass
+class _StartedLookup:
+    kept: torch.Tensor  # the valid ids, flat, in order: what a prefetched lookup is matched on
+    valid: Optional[torch.Tensor]  # mask of the valid positions of the flat ids (None: no padding id)
+    pending: object  # .wait() -> rows' values
+    inverse: Optional[torch.Tensor]  # stage-1 dedup: unique rows -> kept positions
 
 
 class LocalTables(Tables):
@@ -117,9 +147,23 @@ class NativeTables(Tables):
         self.tables = nn.ModuleDict(tables)
         self.hsp = bool(group_size)
         self.sync_bytes = 0  # HSP: gradient rows sent across groups
+        self.grad_group = None  # open_gradient_channel
 
     def lookup(self, table: str, rows: torch.Tensor) -> torch.Tensor:
         return self._counted(self.tables[table], rows)
+
+    def open_gradient_channel(self) -> None:
+        if self.grad_group is None:
+            self.grad_group = dist.new_group(backend="gloo")
+            for name in self.tables:
+                self._shard(name).grad_group = self.grad_group
+
+    def start_lookup(self, table: str, rows: torch.Tensor):
+        shard = self._shard(table)
+        before = shard.stats.as_dict()
+        pending = shard.start(rows)
+        self.stats.add(LookupStats(**{k: v - before[k] for k, v in shard.stats.as_dict().items()}))
+        return pending
 
     def _shard(self, table: str) -> ShardedEmbedding:
         module = self.tables[table]
@@ -215,6 +259,10 @@ class SparseRuntime:
         self._dynamic_grads_pending = False  # a dynamic lookup's backward ran; its fused update has not
         self._update_queued = False  # the end-of-backward callback is queued in the running backward
         self.dropped_lookups = 0  # lookup graphs released because their backward never came
+        self._prefetched: dict[str, collections.deque] = {}
+        self._grad_worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._grad_futures: list[concurrent.futures.Future] = []
+        self.recorded: Optional[list[tuple[str, torch.Tensor]]] = None  # (feature, valid ids) per lookup, when a list
         self.pad_rows = pad_rows or {}
         self.handle = register_runtime(self)
         self.seconds = {"forward": 0.0, "backward": 0.0}  # wall time inside the lookups and their backward
@@ -242,6 +290,27 @@ class SparseRuntime:
             self.seconds["forward"] += time.perf_counter() - start
 
     def _forward(self, feature: str, ids: torch.Tensor, keep_graph: bool) -> torch.Tensor:
+        started = self._take_prefetched(feature, ids)
+        if started is None:
+            started = self._start(feature, ids)
+        f = self.plan.features[feature]
+        values = started.pending.wait()
+        if started.inverse is not None:
+            values = values[started.inverse]
+        if self.recorded is not None:
+            self.recorded.append((feature, started.kept))
+        if keep_graph and values.requires_grad:
+            self._keep_in_flight(feature, ids, values)
+        values = values.detach()
+        if started.valid is None:
+            return values.view(*ids.shape, f.dim)
+        out = self.pad_rows.get(feature, values.new_zeros(f.dim)).to(values.dtype).expand(ids.numel(), f.dim).clone()
+        out[started.valid] = values
+        return out.view(*ids.shape, f.dim)
+
+    def _start(self, feature: str, ids: torch.Tensor) -> "_StartedLookup":
+        """Checks, padding dropped, stage-1 dedup, and the backend lookup started (its embedding
+        exchange may still be in flight)."""
         self.check(feature, ids)
         f = self.plan.features[feature]
         flat = ids.reshape(-1).long()
@@ -249,19 +318,54 @@ class SparseRuntime:
         kept = flat[valid] if valid is not None else flat
         rows = self.plan.tables[f.table].tags.tag(feature, kept) if f.dynamic else kept + f.offset
         backend = self.dynamic if f.dynamic else self.tables
+        inverse = None
         if self.dedup in ("comm", "two_stage"):
-            unique, inverse = torch.unique(rows, return_inverse=True)
-            values = backend.lookup(f.table, unique)[inverse]
-        else:
-            values = backend.lookup(f.table, rows)
-        if keep_graph and values.requires_grad:
-            self._keep_in_flight(feature, ids, values)
-        values = values.detach()
-        if valid is None:
-            return values.view(*ids.shape, f.dim)
-        out = self.pad_rows.get(feature, values.new_zeros(f.dim)).to(values.dtype).expand(flat.numel(), f.dim).clone()
-        out[valid] = values
-        return out.view(*ids.shape, f.dim)
+            rows, inverse = torch.unique(rows, return_inverse=True)
+        return _StartedLookup(kept, valid, backend.start_lookup(f.table, rows), inverse)
+
+    # -- pipelining (train/pipeline.py schedules these) -----------------------------------------
+    def prefetch(self, lookups: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Start the lookups a coming forward will make: ids routed and rows read now, embeddings
+        exchanged in the background. The forward's k-th lookup of a feature takes the k-th
+        prefetched one of that feature, which must be of the same ids (else it raises: a lookup
+        made afresh there would be a collective the other ranks do not make)."""
+        for feature, ids in lookups:
+            self._prefetched.setdefault(feature, collections.deque()).append(self._start(feature, ids))
+
+    def _take_prefetched(self, feature: str, ids: torch.Tensor) -> Optional["_StartedLookup"]:
+        queue = self._prefetched.get(feature)
+        if not queue:
+            return None
+        started = queue.popleft()
+        f = self.plan.features[feature]
+        flat = ids.reshape(-1).long()
+        kept = flat[flat != f.pad] if f.pad is not None else flat
+        if not torch.equal(started.kept, kept):
+            raise RuntimeError(
+                f"sparse pipeline: the forward looked up feature {feature!r} with other ids than the ones "
+                f"extracted ahead of it ({kept.numel()} vs {started.kept.numel()} valid ids); the model's lookup "
+                f"keys cannot be computed before its forward here: train with --pipeline sync")
+        return started
+
+    def prefetched(self) -> int:
+        return sum(len(q) for q in self._prefetched.values())
+
+    def defer_sparse_backward(self, enabled: bool) -> None:
+        """Deferred: a lookup's backward (the gradient exchange and the shard's gradient) runs on a
+        worker thread, in call order, while the caller goes on; ``drain()`` waits for all of it."""
+        if enabled and self._grad_worker is None:
+            self.tables.open_gradient_channel()
+            self._grad_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grcompile-sparse-grad")
+        elif not enabled and self._grad_worker is not None:
+            self.drain()
+            self._grad_worker.shutdown()
+            self._grad_worker = None
+
+    def drain(self) -> None:
+        """Wait for every deferred sparse backward (re-raising its error)."""
+        futures, self._grad_futures = self._grad_futures, []
+        for future in futures:
+            future.result()
 
     def backward(self, feature: str, ids: torch.Tensor, grad: torch.Tensor) -> None:
         start = time.perf_counter()
@@ -283,7 +387,12 @@ class SparseRuntime:
         flat_grad = grad.reshape(-1, f.dim)
         if f.pad is not None:
             flat_grad = flat_grad[ids.reshape(-1) != f.pad]
-        values.backward(flat_grad.to(values.dtype))
+        flat_grad = flat_grad.to(values.dtype)
+        if self._grad_worker is not None:
+            # a copy: the compiled backward may reuse the gradient's buffer once this op returns
+            self._grad_futures.append(self._grad_worker.submit(values.backward, flat_grad.clone()))
+        else:
+            values.backward(flat_grad)
         if f.dynamic:
             self._dynamic_grads_pending = True
             self._queue_dynamic_update()
@@ -334,6 +443,9 @@ class SparseRuntime:
     def new_step(self) -> None:
         """Drop lookups whose backward never came (a forward under grad whose loss was not used)."""
         self._in_flight.clear()
+        if self.prefetched():
+            raise RuntimeError(f"sparse pipeline: {self.prefetched()} prefetched lookups were never used "
+                               f"(the forward made fewer lookups than were extracted ahead of it)")
 
     def in_flight(self) -> int:
         return sum(len(v) for v in self._in_flight.values())

@@ -1,0 +1,205 @@
+"""Sparse pipeline schedules of a training step (``--pipeline``): ``sync`` (every stage in turn) and
+``fwp``, NestPipe's frozen-window pipelining (§V): the step's batch is cut into micro-batches; the
+embedding all-to-all of micro-batch i+1 runs while micro-batch i computes, and the gradient
+all-to-all of i runs (on a worker thread, on a process group of its own) while i+1 computes.
+Gradients accumulate over the micro-batches and the optimizers step once at the end, so every
+micro-batch sees the step's parameters — the frozen window — and the update is the full batch's
+(Proposition 2): each micro-batch's mean loss is weighted by its share of the global batch's
+targets, as the ranks' slices already are.
+
+What makes it possible without touching the model: grcompile extracts the lookups' ids from the
+traced forward (``passes/lookup_keys.py``), so the pipeline can start micro-batch i+1's lookups
+before its forward runs. The first step runs synchronously and checks that the extracted keys are
+the ones the forward really looks up, on every rank; if not, the run stays ``sync`` and says why.
+
+Key-centric sample clustering (§V-C) puts rows that share items into the same micro-batch, so the
+per-micro-batch dedup keeps most of its effect: ``cluster_rows``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.func import functional_call, functionalize
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ..passes.lookup_keys import extract_lookup_keys
+from ..runtime.sparse import SparseRuntime
+
+PIPELINES = ("sync", "fwp")
+Batch = dict[str, torch.Tensor]
+
+
+class PipelineUnsupported(Exception):
+    """The model or the runtime does not allow this schedule; the message says why, for the log."""
+
+
+class KeyExtractor:
+    """``extractor(*inputs) -> [(feature, ids), ...]``: the ids the forward's lookups will receive,
+    in order, computed without running the model (traced on fake tensors once per input shape)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._graphs: dict[tuple, object] = {}
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        return {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+
+    def __call__(self, *inputs: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        signature = (self.model.training, tuple((tuple(t.shape), t.dtype) for t in inputs))
+        keys = self._graphs.get(signature)
+        if keys is None:
+            def forward(state, *args):
+                return functional_call(self.model, state, args)
+
+            try:
+                traced = make_fx(functionalize(forward, remove="mutations_and_views"), tracing_mode="fake")(
+                    self._state(), *inputs)
+            except Exception as e:  # noqa: BLE001 - any trace failure means: no extraction, run sync
+                raise PipelineUnsupported(f"the forward could not be traced to extract its lookup keys "
+                                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+            keys = self._graphs[signature] = extract_lookup_keys(traced)
+        if isinstance(keys, str):
+            raise PipelineUnsupported(keys)
+        with torch.no_grad():
+            return list(zip(keys.features, keys.graph(self._state(), *inputs)))
+
+
+def cluster_rows(ids: torch.Tensor, parts: int, pad: int = 0) -> list[torch.Tensor]:
+    """Key-centric sample clustering: ``parts`` micro-batches of near-equal row counts (sizes as
+    ``torch.tensor_split``), each row greedily placed — rows with the most distinct ids first —
+    where most of its ids already are (ties: the emptier micro-batch, then the lower index).
+    Deterministic; every row exactly once; rows ascending inside each micro-batch."""
+    rows = ids.shape[0]
+    sizes = [len(c) for c in torch.tensor_split(torch.arange(rows), parts)]
+    keys = [set(r[r != pad].tolist()) for r in ids]
+    order = sorted(range(rows), key=lambda r: -len(keys[r]))
+    members: list[list[int]] = [[] for _ in range(parts)]
+    seen: list[set[int]] = [set() for _ in range(parts)]
+    for r in order:
+        open_parts = [j for j in range(parts) if len(members[j]) < sizes[j]]
+        best = max(open_parts, key=lambda j: (len(keys[r] & seen[j]), -len(members[j]), -j))
+        members[best].append(r)
+        seen[best] |= keys[r]
+    return [torch.tensor(sorted(m), dtype=torch.long) for m in members]
+
+
+def unique_ids_sent(ids: torch.Tensor, parts: list[torch.Tensor], pad: int = 0) -> int:
+    """Σᵢ |unique(Mᵢ)|: ids a per-micro-batch dedup still sends (the quantity clustering lowers)."""
+    return sum(int(ids[p][ids[p] != pad].unique().numel()) for p in parts)
+
+
+class FrozenWindowPipeline:
+    """One training step's forward/backward as FWP (module docstring). ``step`` returns the sum of
+    the micro-batches' weighted losses (this rank's share of the global mean loss), detached."""
+
+    def __init__(self, task: nn.Module, runtime: Optional[SparseRuntime], micro_batches: int, *,
+                 cluster: bool = True, world: int = 1) -> None:
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        self.task, self.runtime, self.micro_batches, self.cluster, self.world = task, runtime, micro_batches, cluster, world
+        self.extract = KeyExtractor(task)
+        self.seconds = {"key_extraction": 0.0, "clustering": 0.0}
+        self.unique_ids = {"clustered": 0, "unclustered": 0}
+
+    @staticmethod
+    def check_runtime(runtime: Optional[SparseRuntime]) -> None:
+        """Raise ``PipelineUnsupported`` where the frozen window cannot hold."""
+        if runtime is None:
+            raise PipelineUnsupported("there are no sharded tables to overlap (one process, no sparse runtime)")
+        if runtime.dynamic is not None:
+            raise PipelineUnsupported("dynamic hash tables apply their update at the end of every backward, "
+                                      "inside the window that FWP needs frozen")
+        if not hasattr(runtime.tables, "_shard"):
+            raise PipelineUnsupported("the frozen window needs the update after the last micro-batch; TorchRec's "
+                                      "fused optimizer updates in every backward (use --sparse-backend native)")
+        if getattr(runtime.tables, "hsp", False):
+            raise PipelineUnsupported("FWP with hierarchical sparse parallelism (--hsp-group-size) is not built")
+
+    def verify(self, inputs: tuple[torch.Tensor, ...], run_forward_backward: Callable[[], None]) -> Optional[str]:
+        """Run one ordinary (sync) step's forward/backward while recording the lookups it makes and
+        compare them with the extracted keys; every rank must agree. ``None`` when they match."""
+        reason = None
+        try:
+            expected = self.extract(*inputs)
+        except PipelineUnsupported as e:
+            reason, expected = str(e), []
+        self.runtime.recorded = []
+        try:
+            run_forward_backward()
+            recorded = self.runtime.recorded
+        finally:
+            self.runtime.recorded = None
+        if reason is None:
+            reason = _compare(expected, recorded, self.runtime)
+        ok = torch.tensor([0 if reason else 1])
+        if dist.is_initialized():
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if reason is None and not int(ok):
+            reason = "another rank's lookups did not match their extracted keys"
+        return reason
+
+    def parts(self, local: Batch, global_rows: int) -> list[torch.Tensor]:
+        """Micro-batches of this rank's rows: as many on every rank (each one is collectives), so
+        bounded by the smallest slice any rank can have."""
+        rows = local["ids"].shape[0]
+        n = max(1, min(self.micro_batches, global_rows // self.world, rows))
+        start = time.perf_counter()
+        plain = list(torch.tensor_split(torch.arange(rows), n))
+        parts = cluster_rows(local["ids"], n) if self.cluster else plain
+        self.seconds["clustering"] += time.perf_counter() - start
+        self.unique_ids["clustered"] += unique_ids_sent(local["ids"], cluster_rows(local["ids"], n) if not self.cluster else parts)
+        self.unique_ids["unclustered"] += unique_ids_sent(local["ids"], plain)
+        return parts
+
+    def step(self, step_fn: Callable[..., torch.Tensor], batch: Batch, local: Batch) -> torch.Tensor:
+        runtime = self.runtime
+        global_targets = max(self.task.count_targets(batch["ids"]), 1)
+        micro = [{k: v[rows] for k, v in local.items()} for rows in self.parts(local, batch["ids"].shape[0])]
+        start = time.perf_counter()
+        keys = [self.extract(mb["ids"], mb["timestamps"], mb["negatives"]) for mb in micro]
+        self.seconds["key_extraction"] += time.perf_counter() - start
+        runtime.defer_sparse_backward(True)
+        total = torch.zeros(())
+        try:
+            runtime.prefetch(keys[0])
+            for i, mb in enumerate(micro):
+                if i + 1 < len(micro):
+                    runtime.prefetch(keys[i + 1])  # its embeddings travel while this one computes
+                loss = step_fn(mb["ids"], mb["timestamps"], mb["negatives"]) \
+                    * (self.task.count_targets(mb["ids"]) / global_targets)
+                loss.backward()  # the sparse part of it goes on on the gradient thread
+                total = total + loss.detach()
+            runtime.drain()
+        finally:
+            runtime.defer_sparse_backward(False)
+        return total
+
+
+def _compare(expected: list[tuple[str, torch.Tensor]], recorded: list[tuple[str, torch.Tensor]],
+             runtime: SparseRuntime) -> Optional[str]:
+    """Same valid ids per feature, in the same order per feature (features may interleave)."""
+    def per_feature(pairs, drop_padding: bool):
+        out: dict[str, list[torch.Tensor]] = {}
+        for feature, ids in pairs:
+            flat = ids.reshape(-1).long()
+            pad = runtime.plan.features[feature].pad
+            out.setdefault(feature, []).append(flat[flat != pad] if drop_padding and pad is not None else flat)
+        return out
+
+    want, got = per_feature(expected, True), per_feature(recorded, False)
+    for feature in sorted(set(want) | set(got)):
+        a, b = want.get(feature, []), got.get(feature, [])
+        if len(a) != len(b):
+            return (f"feature {feature!r}: the forward made {len(b)} lookups, {len(a)} were found in its trace")
+        for k, (x, y) in enumerate(zip(a, b)):
+            if not torch.equal(x, y):
+                return f"feature {feature!r}: lookup {k} asked for other ids than its extracted keys"
+    return None
+
+
+__all__ = ["FrozenWindowPipeline", "KeyExtractor", "PIPELINES", "PipelineUnsupported", "cluster_rows",
+           "unique_ids_sent"]

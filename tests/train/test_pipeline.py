@@ -1,0 +1,173 @@
+"""Frozen-window pipelining (``train/pipeline.py``): the keys extracted from the traced forward are
+the lookups it makes; clustering is a partition that sends fewer unique ids; FWP on 2 gloo ranks
+trains exactly like the synchronous step (float64), and a window that is not frozen does not."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grcompile.passes.lookup_keys import extract_lookup_keys
+from grcompile.runtime import dense_parameters, shard_embeddings
+from grcompile.runtime.launch import run_on_ranks
+from grcompile.train.pipeline import (FrozenWindowPipeline, KeyExtractor, PipelineUnsupported, cluster_rows,
+                                      unique_ids_sent)
+from tests.runtime.test_embedding_rewrite import N, V, length_mix, make_task
+
+
+# -- key extraction ---------------------------------------------------------------------------------
+def test_extracted_keys_are_the_lookups_the_forward_makes():
+    task = make_task()
+    runtime = shard_embeddings(task)
+    ids, ts, negatives = length_mix(4)
+    keys = KeyExtractor(task)(ids, ts, negatives)
+    runtime.recorded = []
+    task(ids, ts, negatives)
+    recorded, runtime.recorded = runtime.recorded, None
+    assert [f for f, _ in keys] == [f for f, _ in recorded]
+    for (feature, extracted), (_, looked_up) in zip(keys, recorded):
+        pad = runtime.plan.features[feature].pad
+        flat = extracted.reshape(-1)
+        torch.testing.assert_close(flat[flat != pad], looked_up, rtol=0, atol=0)
+
+
+class KeysFromEmbeddings(nn.Module):
+    """Second lookup's ids chosen from the first lookup's values: unknowable ahead."""
+
+    def __init__(self):
+        super().__init__()
+        self.items = nn.Embedding(10, 4, padding_idx=0)
+        self.tags = nn.Embedding(5, 4, padding_idx=0)
+
+    def forward(self, ids):
+        first = self.items(ids)
+        return self.tags((first.sum(-1) > 0).long() + 1).sum()
+
+
+class RandomKeys(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.items = nn.Embedding(10, 4, padding_idx=0)
+
+    def forward(self, ids):
+        dropped = ids * (torch.rand(ids.shape) > 0.1)  # id dropout: another draw if computed ahead
+        return self.items(dropped).sum()
+
+
+@pytest.mark.parametrize("model, reason", [(KeysFromEmbeddings, "computed from the embeddings of feature 'items'"),
+                                           (RandomKeys, "random op")])
+def test_keys_that_cannot_be_known_ahead_are_declined_with_a_reason(model, reason):
+    m = model()
+    shard_embeddings(m)
+    with pytest.raises(PipelineUnsupported, match=reason):
+        KeyExtractor(m)(torch.randint(1, 5, (2, 3)))
+
+
+def test_extraction_of_a_graph_without_lookups_says_so():
+    gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    assert extract_lookup_keys(gm) == "the model makes no sparse lookup"
+
+
+# -- clustering -------------------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 24), parts=st.integers(1, 6), seed=st.integers(0, 10_000))
+def test_clustering_is_a_partition_with_tensor_split_sizes(rows, parts, seed):
+    parts = min(parts, rows)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 12, (rows, 7), generator=g)
+    clusters = cluster_rows(ids, parts)
+    assert sorted(torch.cat(clusters).tolist()) == list(range(rows))
+    assert [len(c) for c in clusters] == [len(c) for c in torch.tensor_split(torch.arange(rows), parts)]
+    assert all(torch.equal(a, b) for a, b in zip(clusters, cluster_rows(ids, parts)))  # deterministic
+
+
+def test_clustering_sends_fewer_unique_ids_on_users_with_shared_interests():
+    g = torch.Generator().manual_seed(0)
+    groups = [torch.arange(1, 30), torch.arange(100, 130), torch.arange(200, 230), torch.arange(300, 330)]
+    # rows interleaved by interest group, so plain contiguous micro-batches mix all groups
+    ids = torch.stack([groups[r % 4][torch.randint(0, 29, (12,), generator=g)] for r in range(32)])
+    plain = list(torch.tensor_split(torch.arange(32), 4))
+    clustered = cluster_rows(ids, 4)
+    assert unique_ids_sent(ids, clustered) < 0.5 * unique_ids_sent(ids, plain)
+
+
+# -- FWP == sync on 2 ranks ------------------------------------------------------------------------
+STEPS, B = 4, 12
+
+
+def _batches(world: int):
+    """Global batches with empty, length-1 and full rows; every rank sees the same ones."""
+    out = []
+    for step in range(STEPS):
+        ids, ts, negatives = length_mix(100 + step, B=B)
+        out.append({"ids": ids, "timestamps": ts, "negatives": negatives})
+    return out
+
+
+def _train(rank: int, world: int, schedule: str, optimizer: str, dedup: str) -> dict:
+    task = make_task()
+    runtime = shard_embeddings(task, backend="native", dedup=dedup, sharding="row")
+    params = list(task.parameters())
+    opt = torch.optim.Adagrad(params, lr=0.05) if optimizer == "adagrad" else torch.optim.Adam(params, lr=0.01)
+    pipeline = FrozenWindowPipeline(task, runtime, micro_batches=3, world=world)
+    losses = []
+    for batch in _batches(world):
+        rows = slice(rank * B // world, (rank + 1) * B // world)
+        local = {k: v[rows] for k, v in batch.items()}
+        opt.zero_grad(set_to_none=True)
+        runtime.new_step()
+        if schedule == "sync":
+            weight = task.count_targets(local["ids"]) / max(task.count_targets(batch["ids"]), 1)
+            loss = task(local["ids"], local["timestamps"], local["negatives"]) * weight
+            loss.backward()
+            loss = loss.detach()
+        elif schedule == "fwp":
+            loss = pipeline.step(task, batch, local)
+        else:  # negative control: the optimizers step after every micro-batch (the window is not frozen)
+            loss = torch.zeros(())
+            for part in pipeline.parts(local, B):
+                mb = {k: v[part] for k, v in local.items()}
+                l_mb = task(mb["ids"], mb["timestamps"], mb["negatives"]) * (
+                    task.count_targets(mb["ids"]) / max(task.count_targets(batch["ids"]), 1))
+                l_mb.backward()
+                _all_reduce_dense(task)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                loss = loss + l_mb.detach()
+        if schedule != "unfrozen":
+            _all_reduce_dense(task)
+            opt.step()
+        total = loss.clone()
+        dist.all_reduce(total)
+        losses.append(float(total))
+    tables = {t: runtime.tables.full(t) for t in runtime.plan.tables}
+    dense = {k: v.detach().clone() for k, v in task.state_dict().items() if "grcompile" not in k}
+    return {"losses": losses, "tables": tables, "dense": dense, "unique": pipeline.unique_ids}
+
+
+def _all_reduce_dense(task) -> None:
+    for p in dense_parameters(task):
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+
+
+def _schedules(rank: int, world: int, optimizer: str, dedup: str) -> dict:
+    return {s: _train(rank, world, s, optimizer, dedup) for s in ("sync", "fwp", "unfrozen")}
+
+
+@pytest.mark.parametrize("optimizer, dedup", [("adagrad", "two_stage"),
+                                              pytest.param("adam", "none", marks=pytest.mark.slow)])
+def test_fwp_on_two_ranks_trains_exactly_like_the_synchronous_step(optimizer, dedup):
+    results = run_on_ranks(_schedules, 2, optimizer, dedup)
+    for rank, r in results.items():
+        sync, fwp, unfrozen = r["sync"], r["fwp"], r["unfrozen"]
+        # float64: the same sums in another grouping (micro-batch means weighted by target shares)
+        torch.testing.assert_close(fwp["losses"], sync["losses"], rtol=1e-12, atol=1e-12)
+        for name in sync["tables"]:
+            torch.testing.assert_close(fwp["tables"][name], sync["tables"][name], rtol=1e-10, atol=1e-12)
+        for name in sync["dense"]:
+            torch.testing.assert_close(fwp["dense"][name], sync["dense"][name], rtol=1e-10, atol=1e-12)
+        # the negative control moves off the synchronous run: the test can fail
+        assert max(abs(a - b) for a, b in zip(unfrozen["losses"], sync["losses"])) > 1e-6
+        assert fwp["unique"]["clustered"] <= fwp["unique"]["unclustered"]
