@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 __all__ = ["sl_threshold", "sl_keep_probability", "stochastic_length", "LoadBalancedStochasticLength",
-           "truncate_rows"]
+           "lbsl_local", "truncate_rows"]
 
 
 def sl_threshold(max_len: int, alpha: float) -> int:
@@ -159,6 +159,18 @@ class LoadBalancedStochasticLength:
             out.append(kept)
         self._steps_accumulated += 1
         return out
+
+
+def lbsl_local(lbsl: LoadBalancedStochasticLength, step: int, batch: dict[str, torch.Tensor],
+               parts: Sequence[torch.Tensor], rank: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """This rank's rows of the global ``batch`` (``parts``: row indices per rank, e.g. ``equal_slices``
+    or ``assign_rows``), cut by LBSL. Every rank calls it once per step with the same arguments but
+    ``rank`` (so every rank's ``lbsl`` state stays identical); checkpoint ``lbsl.state_dict()``."""
+    from .balance import row_lengths, select_rows
+
+    lengths = row_lengths(batch["ids"], pad_id)
+    kept = lbsl.lengths(step, [lengths[p.numpy()] for p in parts])
+    return truncate_rows(select_rows(batch, parts[rank]), kept[rank], pad_id)
 
 
 def truncate_rows(batch: dict[str, torch.Tensor], keep: Any, pad_id: int = 0) -> dict[str, torch.Tensor]:

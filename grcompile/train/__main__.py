@@ -19,41 +19,44 @@ import torch.distributed as dist
 from models import PRESETS
 
 from ..data import DATASETS
-from .config import TrainConfig
+from .config import SPARSE_OPTIMIZERS, TrainConfig, argparse_type, resolve_sparse_optimizer
 from .loop import train
-from .parallel import SPARSE_OPTIMIZERS
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI; every number goes through ``argparse_type`` (its bound in ``config.BOUNDS``)."""
     p = argparse.ArgumentParser(prog="python -m grcompile.train", description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(PRESETS), default="hstu")
     p.add_argument("--preset", default="ml1m", help=f"one of {sorted(PRESETS['hstu'])}")
     p.add_argument("--data", choices=DATASETS, default="synthetic")
     p.add_argument("--compile", choices=("eager", "inductor", "grcompile"), default="eager")
-    p.add_argument("--epochs", type=int, default=100)
-    p.add_argument("--steps", type=int, default=None, help="stop after N optimizer steps in total")
-    p.add_argument("--max-minutes", type=float, default=None, help="stop training after this wall time")
-    p.add_argument("--batch-size", type=int, default=128, help="global batch size")
-    p.add_argument("--eval-batch-size", type=int, default=256)
-    p.add_argument("--max-len", type=int, default=None, help="default: the preset's")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--num-negatives", type=int, default=128)
+    p.add_argument("--epochs", type=argparse_type("epochs"), default=100, help="0: evaluate only")
+    p.add_argument("--steps", type=argparse_type("steps"), default=None,
+                   help="stop after N optimizer steps in total (0: evaluate only)")
+    p.add_argument("--max-minutes", type=argparse_type("max_minutes"), default=None,
+                   help="stop training after this wall time")
+    p.add_argument("--batch-size", type=argparse_type("batch_size"), default=128, help="global batch size")
+    p.add_argument("--eval-batch-size", type=argparse_type("eval_batch_size"), default=256)
+    p.add_argument("--max-len", type=argparse_type("max_len"), default=None, help="default: the preset's")
+    p.add_argument("--seed", type=argparse_type("seed"), default=0)
+    p.add_argument("--lr", type=argparse_type("lr"), default=1e-3)
+    p.add_argument("--weight-decay", type=argparse_type("weight_decay"), default=0.0)
+    p.add_argument("--num-negatives", type=argparse_type("num_negatives"), default=128)
     p.add_argument("--negatives", choices=("per-position", "per-row"), default="per-position",
                    help="uniform negatives per position (HSTU setup) or shared by a row's positions")
-    p.add_argument("--temperature", type=float, default=0.05)
-    p.add_argument("--patience", type=int, default=10, help="epochs without better validation NDCG@10")
-    p.add_argument("--eval-every", type=int, default=1, help="validate every N epochs")
-    p.add_argument("--k-core", type=int, default=0, help="k-core filter for MovieLens (0: none)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--dropout", type=float, default=None, help="default: the preset's")
-    p.add_argument("--embedding-dim", type=int, default=None, help="default: the preset's")
-    p.add_argument("--num-blocks", type=int, default=None, help="default: the preset's")
-    p.add_argument("--num-categories", type=int, default=0,
+    p.add_argument("--temperature", type=argparse_type("temperature"), default=0.05)
+    p.add_argument("--patience", type=argparse_type("patience"), default=10,
+                   help="epochs without better validation NDCG@10")
+    p.add_argument("--eval-every", type=argparse_type("eval_every"), default=1, help="validate every N epochs")
+    p.add_argument("--k-core", type=argparse_type("k_core"), default=0, help="k-core filter for MovieLens (0: none)")
+    p.add_argument("--threads", type=argparse_type("threads"), default=None, help="torch intra-op threads")
+    p.add_argument("--dropout", type=argparse_type("dropout"), default=None, help="default: the preset's")
+    p.add_argument("--embedding-dim", type=argparse_type("embedding_dim"), default=None, help="default: the preset's")
+    p.add_argument("--num-blocks", type=argparse_type("num_blocks"), default=None, help="default: the preset's")
+    p.add_argument("--num-categories", type=argparse_type("num_categories"), default=0,
                    help="add an item-category feature (a second sparse table feature) with this many categories")
-    p.add_argument("--synthetic-users", type=int, default=None)
-    p.add_argument("--synthetic-items", type=int, default=None)
+    p.add_argument("--synthetic-users", type=argparse_type("num_users"), default=None)
+    p.add_argument("--synthetic-items", type=argparse_type("num_items"), default=None)
     p.add_argument("--json", type=Path, default=None, help="write config, losses and metrics here")
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="checkpoint every epoch here")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
@@ -66,19 +69,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="native: row-wise tables on torch.distributed (Adam-stepped shards, HSP)")
     d.add_argument("--dedup", choices=("none", "comm", "lookup", "two_stage"), default="two_stage",
                    help="ID dedup before the id all-to-all (comm), on the owner (lookup), or both")
-    d.add_argument("--hsp-group-size", type=int, default=None,
+    d.add_argument("--hsp-group-size", type=argparse_type("hsp_group_size"), default=None,
                    help="hierarchical sparse parallelism: tables sharded within groups of this many ranks")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="optimizer of the dense part")
     d.add_argument("--sparse-optimizer", choices=SPARSE_OPTIMIZERS, default=None,
-                   help="optimizer of the sparse tables (default: adam in one process, sgd when sharded on "
-                        "TorchRec, whose CPU kernels have no fused Adam)")
-    d.add_argument("--sparse-lr", type=float, default=None, help="default: --lr")
+                   help="optimizer of the sparse tables (default: the dense optimizer; sgd on TorchRec-sharded "
+                        "or dynamic tables, which have no Adam: the run logs and records the choice and why)")
+    d.add_argument("--sparse-lr", type=argparse_type("sparse_lr"), default=None, help="default: --lr")
     d.add_argument("--dynamic-tables", default="",
                    help="comma-separated embedding modules (e.g. encoder.category_embedding) to make dynamic hash "
                         "tables: any id >= 0, inserted on first sight, sharded by id when distributed")
-    d.add_argument("--checkpoint-every", type=int, default=None, help="also checkpoint every N steps")
+    d.add_argument("--checkpoint-every", type=argparse_type("checkpoint_every"), default=None,
+                   help="also checkpoint every N steps")
     d.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection (tests)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -90,20 +98,22 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     sharding = args.sharding or ("auto" if _launched_distributed() else None)
     if args.hsp_group_size and args.sparse_backend != "native":
         raise SystemExit("--hsp-group-size runs on --sparse-backend native (TorchRec's DMPCollection is CUDA-only)")
-    sparse_optimizer = args.sparse_optimizer or (
-        "sgd" if (sharding and args.sparse_backend == "torchrec") or args.dynamic_tables else "adam")
     if args.preset not in PRESETS[args.model]:
         raise SystemExit(f"--preset {args.preset!r} unknown; choose from {sorted(PRESETS[args.model])}")
-    return TrainConfig(model=args.model, preset=args.preset, data=args.data, compile=args.compile,
+    config = TrainConfig(model=args.model, preset=args.preset, data=args.data, compile=args.compile,
                        epochs=args.epochs, steps=args.steps, max_minutes=args.max_minutes,
                        batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, max_len=args.max_len,
                        seed=args.seed, lr=args.lr, weight_decay=args.weight_decay, temperature=args.temperature,
                        num_negatives=args.num_negatives, negatives=args.negatives, patience=args.patience, eval_every=args.eval_every,
                        k_core=args.k_core, threads=args.threads, synthetic=synthetic, sharding=sharding,
                        sparse_backend=args.sparse_backend, dedup=args.dedup, hsp_group_size=args.hsp_group_size,
-                       dense_optimizer=args.optimizer, sparse_optimizer=sparse_optimizer, sparse_lr=args.sparse_lr,
+                       dense_optimizer=args.optimizer, sparse_optimizer=args.sparse_optimizer, sparse_lr=args.sparse_lr,
                        checkpoint_every=args.checkpoint_every, model_overrides=overrides,
                        dynamic_features=[m for m in args.dynamic_tables.split(",") if m])
+    try:
+        return resolve_sparse_optimizer(config)  # before any process group: a refused combination fails at once
+    except ValueError as e:
+        raise SystemExit(f"python -m grcompile.train: {e}") from None
 
 
 def _launched_distributed() -> bool:

@@ -16,7 +16,7 @@ from models import SampledSoftmaxRetrieval, build_encoder
 
 from ..data import EvalLoader, TrainLoader, get_dataset
 from . import checkpoint
-from .config import TrainConfig
+from .config import TrainConfig, resolve_sparse_optimizer
 from .metrics import evaluate
 from .parallel import Parallel, StepTiming, dense_state, load_distributed, make_optimizers, save_distributed
 
@@ -40,6 +40,8 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
     ``config.sharding`` the sparse tables are sharded (``parallel.py``); ``fail_at_step`` kills the
     last rank at that step (fault injection for the resume tests); ``return_weights`` adds the final
     sparse feature tables (``feature_weights``) and dense state (``dense_weights``) to the result."""
+    config.validate()
+    config = resolve_sparse_optimizer(config)
     if config.threads:
         torch.set_num_threads(config.threads)
     ds, split, encoder, task = build(config)
@@ -48,8 +50,6 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
     log = log if leader else (lambda *a, **k: None)
     progress = progress and leader
     max_len = encoder.config.max_len
-    if config.negatives not in ("per-position", "per-row"):
-        raise ValueError(f"negatives must be 'per-position' or 'per-row', got {config.negatives!r}")
     loader = TrainLoader(split.train, config.batch_size, max_len, ds.num_items, config.num_negatives, config.seed,
                          per_position=config.negatives == "per-position")
     valid_loader = EvalLoader(split.valid, config.eval_batch_size, max_len)
@@ -63,6 +63,7 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
     where = f" on {parallel.world} ranks, sharding {config.sharding}" if parallel.distributed else ""
     log(f"[grcompile.train] {config.model}/{config.preset} on {ds.name}{where}: {len(split.train)} users, "
         f"{ds.num_items} items, max_len {max_len}, {len(loader)} steps/epoch; {describe_mode(step_fn)}")
+    log(f"[grcompile.train] sparse optimizer {config.sparse_optimizer}: {config.sparse_optimizer_reason}")
 
     state: dict[str, Any] = dict(epoch=0, step_in_epoch=0, global_step=0, losses=[], valid_history=[],
                                  best_metric=-math.inf, best_epoch=-1, best_state=None, bad_epochs=0,
@@ -199,6 +200,7 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
 def _resume_key(config: TrainConfig) -> dict[str, Any]:
     """The config minus the fields a resumed run may change (where to stop)."""
     key = config.to_dict()
-    for field in ("epochs", "steps", "max_minutes", "threads", "sharding", "dedup", "checkpoint_every"):
+    for field in ("epochs", "steps", "max_minutes", "threads", "sharding", "dedup", "checkpoint_every",
+                  "sparse_optimizer_reason"):
         key.pop(field)
     return key

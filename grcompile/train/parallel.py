@@ -24,9 +24,8 @@ from ..runtime.features import find_sparse_features
 from ..runtime.dedup import LookupStats
 from ..runtime.features import FeatureConfig
 from ..runtime.sparse import DYNAMIC_ATTR, TABLES_ATTR, SparseRuntime, dense_parameters, shard_embeddings
-from .config import TrainConfig
-
-SPARSE_OPTIMIZERS = ("adam", "sgd", "adagrad", "rowwise_adagrad")
+from .config import SPARSE_OPTIMIZERS, TrainConfig, sparse_optimizer_problem
+from .sparse_optim import ADAGRAD_EPS, RowWiseAdagrad
 
 
 @dataclass
@@ -40,12 +39,13 @@ class Parallel:
     @classmethod
     def setup(cls, task: nn.Module, config: TrainConfig, log=print) -> "Parallel":
         dynamic = [FeatureConfig(m, dynamic=True) for m in config.dynamic_features]
+        _check_sparse_optimizer(config)
         fused = {"type": config.sparse_optimizer, "lr": config.sparse_lr or config.lr}
+        if dynamic and config.sparse_optimizer == "rowwise_adagrad":
+            fused["type"] = "adagrad"  # the hash tables' name for their row-wise Adagrad (hash_embedding.py)
         if config.sharding is None:
             if not dynamic:
                 return cls()
-            if config.sparse_optimizer not in ("sgd", "adagrad"):
-                raise ValueError("dynamic tables update with --sparse-optimizer sgd or adagrad")
             runtime = shard_embeddings(task, backend="local", features=dynamic, dedup=config.dedup,
                                        fused_optimizer=fused, seed=config.seed, log=log)
             return cls(runtime=runtime)
@@ -54,9 +54,6 @@ class Parallel:
         world, rank = dist.get_world_size(), dist.get_rank()
         if config.batch_size % world:
             raise ValueError(f"--batch-size {config.batch_size} (global) must be a multiple of the {world} ranks")
-        if config.sparse_backend == "torchrec" and config.sparse_optimizer == "adam":
-            raise ValueError("TorchRec's CPU kernels have no fused Adam: pick --sparse-optimizer sgd, adagrad or "
-                             "rowwise_adagrad (or --sparse-backend native, which steps its shards with Adam)")
         runtime = shard_embeddings(task, backend=config.sparse_backend, dedup=config.dedup, sharding=config.sharding,
                                    group_size=config.hsp_group_size, fused_optimizer=fused, features=dynamic,
                                    seed=config.seed, log=log if rank == 0 else None)
@@ -184,11 +181,22 @@ class StepTiming:
         return {k: 1e3 * sum(s[k] for s in steps) / len(steps) for k in steps[0]} | {"steps_measured": len(steps)}
 
 
-def make_optimizers(task: nn.Module, config: TrainConfig, parallel: Parallel) -> list[torch.optim.Optimizer]:
-    """``config.dense_optimizer`` (Adam by default) for the dense part; the sparse tables get ``config.sparse_optimizer`` (``adam``: the same
-    Adam; on TorchRec the optimizer is fused into the backward and not listed here)."""
+def _check_sparse_optimizer(config: TrainConfig) -> None:
+    """Refuse a sparse optimizer that would not train as it does in one process (``config.py``)."""
     if config.sparse_optimizer not in SPARSE_OPTIMIZERS:
-        raise ValueError(f"sparse optimizer must be one of {SPARSE_OPTIMIZERS}, got {config.sparse_optimizer!r}")
+        raise ValueError(f"sparse optimizer must be one of {SPARSE_OPTIMIZERS}, got {config.sparse_optimizer!r} "
+                         f"(resolve_sparse_optimizer fills in the default)")
+    problem = sparse_optimizer_problem(config, config.sparse_optimizer)
+    if problem is not None:
+        raise ValueError(f"--sparse-optimizer {config.sparse_optimizer}: {problem}")
+
+
+def make_optimizers(task: nn.Module, config: TrainConfig, parallel: Parallel) -> list[torch.optim.Optimizer]:
+    """``config.dense_optimizer`` (Adam by default) for the dense part; the sparse tables get
+    ``config.sparse_optimizer`` (``adam``: the same Adam; on TorchRec the optimizer is fused into the
+    backward and not listed here). The Adagrads match fbgemm's kernels (``sparse_optim.py``): the
+    same update in one process, on native shards and in the dynamic hash tables."""
+    _check_sparse_optimizer(config)
     if config.dense_optimizer not in ("adam", "sgd"):
         raise ValueError(f"dense optimizer must be adam or sgd, got {config.dense_optimizer!r}")
 
@@ -198,8 +206,6 @@ def make_optimizers(task: nn.Module, config: TrainConfig, parallel: Parallel) ->
         return torch.optim.Adam(params, lr=config.lr, betas=(0.9, 0.98), weight_decay=config.weight_decay)
 
     if config.sparse_optimizer == "adam":
-        if config.dense_optimizer != "adam":
-            raise ValueError("--sparse-optimizer adam goes with the dense Adam; pick sgd or adagrad for the tables")
         return [dense_optimizer(task.parameters())]
     if parallel.runtime is not None:
         sparse = parallel.runtime.tables.sparse_parameters()
@@ -214,9 +220,9 @@ def make_optimizers(task: nn.Module, config: TrainConfig, parallel: Parallel) ->
         if config.sparse_optimizer == "sgd":
             optimizers.append(torch.optim.SGD(sparse, lr=lr))
         elif config.sparse_optimizer == "adagrad":
-            optimizers.append(torch.optim.Adagrad(sparse, lr=lr))
+            optimizers.append(torch.optim.Adagrad(sparse, lr=lr, eps=ADAGRAD_EPS))
         else:
-            raise ValueError("rowwise_adagrad is TorchRec's fused optimizer: use --sparse-backend torchrec")
+            optimizers.append(RowWiseAdagrad(sparse, lr=lr))
     return optimizers
 
 

@@ -14,8 +14,8 @@ from grcompile.data.balance import (SequenceCost, assign_rows, equal_slices, imb
                                     rebalance_local, row_lengths, select_rows)
 from grcompile.data.batching import pad_batch
 from grcompile.data.dataset import Sequence
-from grcompile.data.stochastic_length import (LoadBalancedStochasticLength, sl_keep_probability, sl_threshold,
-                                              stochastic_length, truncate_rows)
+from grcompile.data.stochastic_length import (LoadBalancedStochasticLength, lbsl_local, sl_keep_probability,
+                                              sl_threshold, stochastic_length, truncate_rows)
 from grcompile.data.token_batching import TokenBudgetLoader, cut_by_budget, plan_epoch, step_weights
 from models import make_config
 
@@ -285,6 +285,23 @@ def test_lbsl_balances_rank_loads_better_than_sl():
         lbsl_mean.append(np.mean(lb_loads))
     assert np.mean(lbsl_ratio) < np.mean(sl_ratio)
     assert np.mean(lbsl_mean) <= np.mean(sl_mean) * 1.05  # about SL's mean load, not more
+
+
+def test_lbsl_local_cuts_this_ranks_rows_like_every_other_rank():
+    """Each rank (its own LBSL object) computes the same plan and keeps its own rows, cut."""
+    world, lengths = 2, [30, 3, 25, 8, 30, 2, 17, 29]
+    batch = _padded(lengths, 30)
+    make = lambda: LoadBalancedStochasticLength(world, 30, alpha=1.5, gamma=1.5, warmup_steps=1, recalibrate_every=3)
+    ranks, reference = [make() for _ in range(world)], make()
+    parts = assign_rows(lengths, world, SequenceCost(1, 1))
+    for step in range(4):
+        kept = reference.lengths(step, [np.array(lengths)[p.numpy()] for p in parts])
+        for rank, lbsl in enumerate(ranks):
+            local = lbsl_local(lbsl, step, batch, parts, rank)
+            assert row_lengths(local["ids"]).tolist() == kept[rank].tolist()
+            assert local["ids"].shape == (len(parts[rank]), 30)
+    assert all(r.state_dict() == reference.state_dict() for r in ranks)
+    assert reference.target is not None
 
 
 def test_truncate_rows_keeps_the_most_recent_tokens():
