@@ -72,19 +72,28 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
     if resume:
         if checkpoint_dir is None:
             raise ValueError("--resume needs --checkpoint-dir")
+
+        def check_config(saved: dict[str, Any], path) -> None:  # before any weight is loaded
+            differences = checkpoint.config_differences(saved.get("config", {}), _resume_key(config))
+            if differences:
+                raise ValueError(f"--resume: the checkpoint {path} was written by a run with a different config: "
+                                 + "; ".join(differences))
+
         if parallel.distributed:
-            saved = load_distributed(checkpoint_dir, parallel, task, optimizers)
+            saved = load_distributed(checkpoint_dir, parallel, task, optimizers, check_config)
         else:
             saved = checkpoint.load(checkpoint_dir)
+            check_config(saved, saved["resumed"].path)
             task.load_state_dict(saved["model"])
             for opt, sd in zip(optimizers, saved["optimizers"]):
                 opt.load_state_dict(sd)
-        if saved["config"] != _resume_key(config):
-            raise ValueError("--resume: the checkpoint was written by a run with a different config")
         if saved["rng"] is not None:
             torch.set_rng_state(saved["rng"])
         state = saved["state"]
-        log(f"[grcompile.train] resumed at epoch {state['epoch']} step {state['step_in_epoch']}")
+        resumed = saved["resumed"]
+        log(f"[grcompile.train] resumed at epoch {state['epoch']} step {state['step_in_epoch']} from {resumed.path}"
+            + ("" if resumed.verified else " (unverified: no checksums)")
+            + (f", after skipping damaged checkpoints: {'; '.join(resumed.skipped)}" if resumed.skipped else ""))
 
     def save_checkpoint() -> None:
         if checkpoint_dir is None:

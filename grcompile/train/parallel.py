@@ -12,9 +12,10 @@ import copy
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from ..runtime.features import find_sparse_features
 from ..runtime.dedup import LookupStats
 from ..runtime.features import FeatureConfig
 from ..runtime.sparse import DYNAMIC_ATTR, TABLES_ATTR, SparseRuntime, dense_parameters, shard_embeddings
+from . import checkpoint
 from .config import SPARSE_OPTIMIZERS, TrainConfig, sparse_optimizer_problem
 from .sparse_optim import ADAGRAD_EPS, RowWiseAdagrad
 
@@ -245,8 +247,8 @@ def load_dense(task: nn.Module, dense: dict[str, torch.Tensor]) -> None:
         v.copy_(dense[k])
 
 
-# -- checkpoints (torch.distributed.checkpoint) ----------------------------------------------------
-LATEST = "LATEST"
+# -- checkpoints (torch.distributed.checkpoint; layout, manifest and fallback: checkpoint.py) ----------
+DENSE = "dense.pt"
 
 
 def _sharded_state(parallel: Parallel) -> dict[str, Any]:
@@ -265,48 +267,85 @@ def _prune_empty(tree: Any) -> Any:
     return tree
 
 
+def _rng_file(parallel: Parallel) -> str:
+    return f"rng_{parallel.rank}_of_{parallel.world}.pt"
+
+
 def save_distributed(directory: str | os.PathLike, parallel: Parallel, task: nn.Module,
-                     optimizers: list, extra: dict[str, Any], keep: int = 2) -> Path:
+                     optimizers: list, extra: dict[str, Any], keep: int = checkpoint.KEEP) -> Path:
     """One checkpoint per call: sharded tables + fused optimizer state through DCP (any later world
-    size or sharding can load them), the replicated dense part from rank 0, each rank's RNG.
-    Written under a temporary name and renamed when every rank is done: never a torn checkpoint."""
+    size or sharding can load them), the replicated dense part from rank 0, each rank's RNG. Every
+    rank hashes the files it wrote (its ``__<rank>_*.distcp`` shards, its RNG; rank 0 also DCP's
+    ``.metadata`` and ``dense.pt``); rank 0 writes the manifest of them all, then renames the
+    directory into place: never a torn or unverifiable checkpoint."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(directory)
-    name = f"step_{extra['state']['global_step']}"
+    step = extra["state"]["global_step"]
+    name = f"step_{step}"
     tmp = root / (name + ".tmp")
-    dcp.save(_sharded_state(parallel), checkpoint_id=str(tmp))
-    torch.save(torch.get_rng_state(), tmp / f"rng_{parallel.rank}_of_{parallel.world}.pt")
     if parallel.rank == 0:
-        torch.save({"model": dense_state(task), "optimizers": [o.state_dict() for o in optimizers], **extra}, tmp / "dense.pt")
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed: stale shards
     dist.barrier()
+    dcp.save(_sharded_state(parallel), checkpoint_id=str(tmp))
+    torch.save(torch.get_rng_state(), tmp / _rng_file(parallel))
+    written = [_rng_file(parallel), *sorted(p.name for p in tmp.glob(f"__{parallel.rank}_*.distcp"))]
     if parallel.rank == 0:
-        os.replace(tmp, root / name)
-        (root / (LATEST + ".tmp")).write_text(name)
-        os.replace(root / (LATEST + ".tmp"), root / LATEST)
-        steps = sorted((int(p.name.split("_")[1]), p) for p in root.glob("step_*") if p.name.split("_")[1].isdigit())
-        for _, old in steps[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        torch.save({"model": dense_state(task), "optimizers": [o.state_dict() for o in optimizers], **extra}, tmp / DENSE)
+        written += [DENSE, ".metadata"]
+    per_rank: list[Any] = [None] * parallel.world
+    dist.all_gather_object(per_rank, checkpoint.digests(tmp, written))
+    if parallel.rank == 0:
+        files = {k: v for digests in per_rank for k, v in digests.items()}
+        unclaimed = [p.name for p in tmp.iterdir() if p.is_file() and p.name not in files]
+        files.update(checkpoint.digests(tmp, unclaimed))  # files DCP named otherwise: hashed here
+        checkpoint.write_manifest(tmp, files, step)
+        checkpoint.publish(root, tmp, name, keep)
     dist.barrier()
     return root / name
 
 
-def load_distributed(directory: str | os.PathLike, parallel: Parallel, task: nn.Module,
-                     optimizers: list) -> dict[str, Any]:
+def _verify_collectively(parallel: Parallel, path: Path) -> Optional[list[str]]:
+    """``checkpoint.verify`` with the files split over the ranks; every rank gets the same answer."""
+    try:
+        manifest = checkpoint.read_manifest(path)
+        if manifest is None:
+            mine: Optional[list[str]] = None
+        else:
+            names = sorted(manifest["files"])[parallel.rank::parallel.world]
+            mine = checkpoint.verify_files(path, manifest, names)
+    except ValueError as e:
+        mine = [str(e)]
+    per_rank: list[Any] = [None] * parallel.world
+    dist.all_gather_object(per_rank, mine)
+    if all(p is None for p in per_rank):
+        return None
+    return sorted({problem for p in per_rank if p for problem in p})
+
+
+def load_distributed(directory: str | os.PathLike, parallel: Parallel, task: nn.Module, optimizers: list,
+                     check_config: Optional[Callable[[dict[str, Any], Path], None]] = None) -> dict[str, Any]:
+    """Resume from the newest checkpoint whose files match their manifest (``checkpoint.py``: damaged
+    ones are skipped with a warning, on rank 0). ``check_config(saved, path)`` runs before anything is
+    loaded into the model or the tables. ``saved["resumed"]`` says which checkpoint was used."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(directory)
-    if not (root / LATEST).exists():
-        raise FileNotFoundError(f"--resume: no distributed checkpoint in {root}")
-    path = root / (root / LATEST).read_text().strip()
+    with warnings.catch_warnings():
+        if parallel.rank != 0:
+            warnings.simplefilter("ignore", checkpoint.CheckpointWarning)
+        saved, resumed = checkpoint.load_newest_good(root, lambda p: _verify_collectively(parallel, p),
+                                                     lambda p: checkpoint.torch_load(p / DENSE))
+    if check_config is not None:
+        check_config(saved, resumed.path)
     state = _sharded_state(parallel)
-    dcp.load(state, checkpoint_id=str(path))
-    saved = torch.load(path / "dense.pt", map_location="cpu", weights_only=False)
+    dcp.load(state, checkpoint_id=str(resumed.path))
     load_dense(task, saved["model"])
     for opt, sd in zip(optimizers, saved["optimizers"]):
         opt.load_state_dict(sd)
-    rng = path / f"rng_{parallel.rank}_of_{parallel.world}.pt"
-    saved["rng"] = torch.load(rng) if rng.exists() else None  # another world size: fresh streams
+    rng = resumed.path / _rng_file(parallel)
+    saved["rng"] = checkpoint.torch_load(rng) if rng.exists() else None  # another world size: fresh streams
+    saved["resumed"] = resumed
     return saved
 
 
