@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import math
+import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -263,6 +265,7 @@ class SparseRuntime:
         self._grad_worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._grad_futures: list[concurrent.futures.Future] = []
         self.recorded: Optional[list[tuple[str, torch.Tensor]]] = None  # (feature, valid ids) per lookup, when a list
+        self.timeline: Optional[list[tuple[str, str, float, float]]] = None  # span()s, when a list
         self.pad_rows = pad_rows or {}
         self.handle = register_runtime(self)
         self.seconds = {"forward": 0.0, "backward": 0.0}  # wall time inside the lookups and their backward
@@ -292,9 +295,11 @@ class SparseRuntime:
     def _forward(self, feature: str, ids: torch.Tensor, keep_graph: bool) -> torch.Tensor:
         started = self._take_prefetched(feature, ids)
         if started is None:
-            started = self._start(feature, ids)
+            with self.span(f"route+read {feature}"):
+                started = self._start(feature, ids)
         f = self.plan.features[feature]
-        values = started.pending.wait()
+        with self.span(f"exchange wait {feature}"):
+            values = started.pending.wait()
         if started.inverse is not None:
             values = values[started.inverse]
         if self.recorded is not None:
@@ -330,7 +335,8 @@ class SparseRuntime:
         prefetched one of that feature, which must be of the same ids (else it raises: a lookup
         made afresh there would be a collective the other ranks do not make)."""
         for feature, ids in lookups:
-            self._prefetched.setdefault(feature, collections.deque()).append(self._start(feature, ids))
+            with self.span(f"route+read {feature}"):
+                self._prefetched.setdefault(feature, collections.deque()).append(self._start(feature, ids))
 
     def _take_prefetched(self, feature: str, ids: torch.Tensor) -> Optional["_StartedLookup"]:
         queue = self._prefetched.get(feature)
@@ -361,11 +367,29 @@ class SparseRuntime:
             self._grad_worker.shutdown()
             self._grad_worker = None
 
+    def _lookup_backward(self, feature: str, values: torch.Tensor, grad: torch.Tensor) -> None:
+        """The lookup's own backward: gradient exchange and the shard's gradient (deferred or not)."""
+        with self.span(f"gradient exchange {feature}"):
+            values.backward(grad)
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        """A timed region for ``timeline`` (a list, when set: ``(name, thread, start, end)``)."""
+        if self.timeline is None:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timeline.append((name, threading.current_thread().name, start, time.perf_counter()))
+
     def drain(self) -> None:
         """Wait for every deferred sparse backward (re-raising its error)."""
         futures, self._grad_futures = self._grad_futures, []
-        for future in futures:
-            future.result()
+        with self.span("gradient exchange wait"):
+            for future in futures:
+                future.result()
 
     def backward(self, feature: str, ids: torch.Tensor, grad: torch.Tensor) -> None:
         start = time.perf_counter()
@@ -390,9 +414,10 @@ class SparseRuntime:
         flat_grad = flat_grad.to(values.dtype)
         if self._grad_worker is not None:
             # a copy: the compiled backward may reuse the gradient's buffer once this op returns
-            self._grad_futures.append(self._grad_worker.submit(values.backward, flat_grad.clone()))
+            self._grad_futures.append(self._grad_worker.submit(self._lookup_backward, feature, values,
+                                                               flat_grad.clone()))
         else:
-            values.backward(flat_grad)
+            self._lookup_backward(feature, values, flat_grad)
         if f.dynamic:
             self._dynamic_grads_pending = True
             self._queue_dynamic_update()
