@@ -60,7 +60,7 @@ def _run_schedule(args, schedule: str, rank: int, world: int) -> dict[str, Any]:
     from models import SampledSoftmaxRetrieval, build_encoder
 
     from ..runtime import dense_parameters, shard_embeddings
-    from ..train.pipeline import FrozenWindowPipeline
+    from ..train.pipeline import SparsePipeline
 
     torch.manual_seed(0)
     encoder = build_encoder(args.model, "ml1m", args.items, max_len=args.max_len, num_blocks=args.blocks,
@@ -68,7 +68,7 @@ def _run_schedule(args, schedule: str, rank: int, world: int) -> dict[str, Any]:
     task = SampledSoftmaxRetrieval(encoder)
     runtime = shard_embeddings(task, backend="native", dedup="two_stage", sharding="row")
     opt = torch.optim.Adam(task.parameters(), lr=1e-3)
-    pipeline = FrozenWindowPipeline(task, runtime, args.micro_batches, world=world)
+    pipeline = SparsePipeline(task, runtime, args.micro_batches, world=world, schedule=schedule if schedule != "sync" else "fwp")
     dense = [p for p in dense_parameters(task) if p.requires_grad]
     steps, B = [], args.batch_size
     traced_step = args.warmup + 1

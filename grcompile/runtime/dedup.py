@@ -91,8 +91,14 @@ class ShardedEmbedding(nn.Module):
     def start(self, ids: torch.Tensor) -> "PendingLookup":
         """Route the ids to their owners and read the rows (synchronous: the id all-to-all is small);
         send the rows back asynchronously. ``wait()`` on the result gives ``forward(ids)``."""
+        return self.route(ids).exchange()
+
+    def route(self, ids: torch.Tensor, *, buffered: bool = False) -> "RoutedLookup":
+        """Key routing (dedup, the id all-to-all, dedup on the owner). ``buffered``: the rows are
+        also read now, into a prefetch buffer (DBP's retrieval stage), and refreshed at
+        ``exchange`` where this rank's last step updated them."""
         self.check(ids)
-        W, D = self.world, self.dim
+        W = self.world
         flat = ids.reshape(-1).long()
         stage1 = self.dedup in ("comm", "two_stage")
         stage2 = self.dedup in ("lookup", "two_stage")
@@ -106,24 +112,81 @@ class ShardedEmbedding(nn.Module):
         recv = send.new_empty(int(recv_counts.sum()))
         send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
         dist.all_to_all_single(recv, send, recv_split, send_split, group=self.group)
+        needed, back = torch.unique(recv, return_inverse=True) if stage2 else (recv, None)
+        buffer = None
+        if buffered:
+            if type(self).read_owned is not ShardedEmbedding.read_owned:
+                raise NotImplementedError(f"{self.name}: prefetch buffers hold rows of a static table only")
+            buffer = self.read_owned(needed).detach().clone()
+        mine_out = send_split[self.rank]
+        self.stats.add(LookupStats(ids_sent=len(send) - mine_out, id_bytes=(len(send) - mine_out) * send.element_size(),
+                                   lookups=1))
+        return RoutedLookup(self, tuple(ids.shape), needed, back, buffer, order, inverse, send_split, recv_split)
 
-        if stage2:
-            needed, back = torch.unique(recv, return_inverse=True)
-            rows = self.read_owned(needed)[back]
+    # -- which rows a step may have updated (DBP's buffer synchronisation) --------------------------
+    def track_updates(self) -> None:
+        """From now on remember the rows each step reads: an optimizer that moves only rows with a
+        gradient (SGD, Adagrad) updates no others."""
+        self._reads: Optional[list[torch.Tensor]] = getattr(self, "_reads", None) or []
+
+    def begin_step(self) -> None:
+        """The previous step's reads become ``updated`` (its optimizer has stepped by now)."""
+        reads = getattr(self, "_reads", None)
+        if reads is None:
+            return
+        self.updated = torch.cat(reads).unique() if reads else torch.zeros(0, dtype=torch.long)
+        self._reads = []
+
+
+class RoutedLookup:
+    """A lookup routed to the owners; ``exchange()`` reads (or refreshes) the rows and sends them."""
+
+    def __init__(self, module: ShardedEmbedding, shape: tuple[int, ...], needed: torch.Tensor,
+                 back: Optional[torch.Tensor], buffer: Optional[torch.Tensor], order: torch.Tensor,
+                 inverse: Optional[torch.Tensor], send_split: list[int], recv_split: list[int]) -> None:
+        self.module, self.shape, self.needed, self.back, self.buffer = module, shape, needed, back, buffer
+        self.order, self.inverse, self.send_split, self.recv_split = order, inverse, send_split, recv_split
+
+    def exchange(self, *, refresh: bool = True) -> "PendingLookup":
+        """Send the rows back (async). A buffered lookup first re-reads the rows its owner's last
+        step updated (``refresh=False`` skips that: stale rows, for the negative control only)."""
+        m = self.module
+        if self.buffer is None:
+            read = m.read_owned(self.needed)
         else:
-            needed = recv
-            rows = self.read_owned(recv)
-        received = rows.new_empty(len(send), D)
-        work = dist.all_to_all_single(received, rows.detach().contiguous(), send_split, recv_split,
-                                      group=self.group, async_op=True)
+            updated = getattr(m, "updated", None)
+            if refresh and updated is not None and updated.numel():
+                stale = torch.isin(self.needed, updated)
+                if bool(stale.any()):
+                    self.buffer[stale] = m.read_owned(self.needed[stale]).detach()
+            read = _ReadBuffer.apply(m.weight, self.needed // m.world, self.buffer)
+        if getattr(m, "_reads", None) is not None:
+            m._reads.append(self.needed)
+        rows = read[self.back] if self.back is not None else read
+        received = rows.new_empty(sum(self.send_split), m.dim)
+        work = dist.all_to_all_single(received, rows.detach().contiguous(), self.send_split, self.recv_split,
+                                      group=m.group, async_op=True)
+        mine_back = self.recv_split[m.rank]
+        m.stats.add(LookupStats(rows_sent=rows.shape[0] - mine_back,
+                                embedding_bytes=(rows.shape[0] - mine_back) * m.dim * rows.element_size(),
+                                rows_read=int(self.needed.numel())))
+        return PendingLookup(m, self.shape, rows, received, work, self.order, self.inverse, self.send_split,
+                             self.recv_split)
 
-        element = rows.element_size()
-        mine_out, mine_back = send_split[self.rank], recv_split[self.rank]
-        self.stats.add(LookupStats(
-            ids_sent=len(send) - mine_out, id_bytes=(len(send) - mine_out) * send.element_size(),
-            rows_sent=len(recv) - mine_back, embedding_bytes=(len(recv) - mine_back) * D * element,
-            rows_read=int(needed.numel()), lookups=1))
-        return PendingLookup(self, tuple(ids.shape), rows, received, work, order, inverse, send_split, recv_split)
+
+class _ReadBuffer(torch.autograd.Function):
+    """``weight[rows]`` with its values taken from a prefetch buffer; gradient as indexing's."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, rows: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        ctx.weight_shape = weight.shape
+        return buffer.view_as(buffer)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (rows,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.weight_shape).index_put_((rows,), grad, accumulate=True), None, None
 
 
 class PendingLookup:
@@ -166,4 +229,4 @@ class _EmbeddingExchange(torch.autograd.Function):
         return grad_rows, None, None, None, None
 
 
-__all__ = ["DEDUP_MODES", "LookupStats", "PendingLookup", "ShardedEmbedding"]
+__all__ = ["DEDUP_MODES", "LookupStats", "PendingLookup", "RoutedLookup", "ShardedEmbedding"]

@@ -68,6 +68,17 @@ class Tables(nn.Module):
         embedding exchange is asynchronous return it still in flight)."""
         return _Ready(self.lookup(table, rows))
 
+    def route_lookup(self, table: str, rows: torch.Tensor) -> "_Deferred":
+        """``start_lookup`` split once more: the keys routed now, ``exchange()`` later starts the
+        rest (backends without a routing stage look up at ``exchange()``: always fresh)."""
+        return _Deferred(lambda: self.start_lookup(table, rows))
+
+    def track_updates(self) -> None:
+        """Remember which rows each step reads (``route_lookup`` buffers refresh those)."""
+
+    def new_step(self) -> None:
+        """A step begins (the previous one's optimizer has stepped)."""
+
     def load_full(self, table: str, weight: torch.Tensor) -> None:
         """Set the whole table (the same tensor on every rank)."""
         raise NotImplementedError
@@ -87,8 +98,11 @@ class Tables(nn.Module):
         """``module(rows)``, adding what its own ``stats`` counted for this call to ours."""
         before = module.stats.as_dict()
         out = module(rows)
-        self.stats.add(LookupStats(**{k: v - before[k] for k, v in module.stats.as_dict().items()}))
+        self._add_since(module, before)
         return out
+
+    def _add_since(self, module: nn.Module, before: dict[str, int]) -> None:
+        self.stats.add(LookupStats(**{k: v - before[k] for k, v in module.stats.as_dict().items()}))
 
 
 class _Ready:
@@ -101,7 +115,30 @@ class _Ready:
         return self.values
 
 
-@dataclass
+class _Deferred:
+    """A lookup started only at ``exchange()``."""
+
+    def __init__(self, start) -> None:
+        self.start = start
+
+    def exchange(self, *, refresh: bool = True):
+        return self.start()
+
+
+class _CountedRoute:
+    """A shard's routed lookup whose rows' stats (counted at ``exchange``) go to its tables'."""
+
+    def __init__(self, tables: "Tables", shard: ShardedEmbedding, routed) -> None:
+        self.tables, self.shard, self.routed = tables, shard, routed
+
+    def exchange(self, *, refresh: bool = True):
+        before = self.shard.stats.as_dict()
+        pending = self.routed.exchange(refresh=refresh)
+        self.tables._add_since(self.shard, before)
+        return pending
+
+
+@dataclass(eq=False)  # identity: a lookup is found in queues by what it is, not by its tensors
 class _StartedLookup:
     kept: torch.Tensor  # the valid ids, flat, in order: what a prefetched lookup is matched on
     valid: Optional[torch.Tensor]  # mask of the valid positions of the flat ids (None: no padding id)
@@ -161,11 +198,22 @@ class NativeTables(Tables):
                 self._shard(name).grad_group = self.grad_group
 
     def start_lookup(self, table: str, rows: torch.Tensor):
+        return self.route_lookup(table, rows, buffered=False).exchange()
+
+    def route_lookup(self, table: str, rows: torch.Tensor, *, buffered: bool = True):
         shard = self._shard(table)
         before = shard.stats.as_dict()
-        pending = shard.start(rows)
-        self.stats.add(LookupStats(**{k: v - before[k] for k, v in shard.stats.as_dict().items()}))
-        return pending
+        routed = shard.route(rows, buffered=buffered)
+        self._add_since(shard, before)
+        return _CountedRoute(self, shard, routed)
+
+    def track_updates(self) -> None:
+        for name in self.tables:
+            self._shard(name).track_updates()
+
+    def new_step(self) -> None:
+        for name in self.tables:
+            self._shard(name).begin_step()
 
     def _shard(self, table: str) -> ShardedEmbedding:
         module = self.tables[table]
@@ -262,6 +310,8 @@ class SparseRuntime:
         self._update_queued = False  # the end-of-backward callback is queued in the running backward
         self.dropped_lookups = 0  # lookup graphs released because their backward never came
         self._prefetched: dict[str, collections.deque] = {}
+        self._unexchanged: collections.deque = collections.deque()  # routed-only prefetches, in order
+        self.refresh_prefetched = True  # False only to show what stale prefetch buffers do (tests)
         self._grad_worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._grad_futures: list[concurrent.futures.Future] = []
         self.recorded: Optional[list[tuple[str, torch.Tensor]]] = None  # (feature, valid ids) per lookup, when a list
@@ -313,9 +363,9 @@ class SparseRuntime:
         out[started.valid] = values
         return out.view(*ids.shape, f.dim)
 
-    def _start(self, feature: str, ids: torch.Tensor) -> "_StartedLookup":
+    def _start(self, feature: str, ids: torch.Tensor, routed_only: bool = False) -> "_StartedLookup":
         """Checks, padding dropped, stage-1 dedup, and the backend lookup started (its embedding
-        exchange may still be in flight)."""
+        exchange may still be in flight; ``routed_only``: not started yet, ``pending.exchange()``)."""
         self.check(feature, ids)
         f = self.plan.features[feature]
         flat = ids.reshape(-1).long()
@@ -326,17 +376,47 @@ class SparseRuntime:
         inverse = None
         if self.dedup in ("comm", "two_stage"):
             rows, inverse = torch.unique(rows, return_inverse=True)
-        return _StartedLookup(kept, valid, backend.start_lookup(f.table, rows), inverse)
+        pending = backend.route_lookup(f.table, rows) if routed_only else backend.start_lookup(f.table, rows)
+        return _StartedLookup(kept, valid, pending, inverse)
 
     # -- pipelining (train/pipeline.py schedules these) -----------------------------------------
-    def prefetch(self, lookups: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def prefetch(self, lookups: Sequence[tuple[str, torch.Tensor]], *, exchange: bool = True) -> None:
         """Start the lookups a coming forward will make: ids routed and rows read now, embeddings
-        exchanged in the background. The forward's k-th lookup of a feature takes the k-th
-        prefetched one of that feature, which must be of the same ids (else it raises: a lookup
-        made afresh there would be a collective the other ranks do not make)."""
+        exchanged in the background — or, ``exchange=False`` (DBP), routed and read into a
+        prefetch buffer only, exchanged by ``exchange_routed`` once the step before has updated
+        the tables (the buffer's rows that step updated are read again then). The forward's k-th
+        lookup of a feature takes the k-th prefetched one of that feature, which must be of the
+        same ids (else it raises: a lookup made afresh there would be a collective the other ranks
+        do not make)."""
         for feature, ids in lookups:
             with self.span(f"route+read {feature}"):
-                self._prefetched.setdefault(feature, collections.deque()).append(self._start(feature, ids))
+                started = self._start(feature, ids, routed_only=not exchange)
+            self._prefetched.setdefault(feature, collections.deque()).append(started)
+            if not exchange:
+                self._unexchanged.append(started)
+
+    def exchange_routed(self, count: Optional[int] = None) -> None:
+        """Start the embedding exchange of the next ``count`` (default: all) routed-only lookups,
+        in the order they were prefetched (the same on every rank)."""
+        count = len(self._unexchanged) if count is None else count
+        for _ in range(count):
+            started = self._unexchanged.popleft()
+            with self.span("buffer sync+exchange"):
+                started.pending = started.pending.exchange(refresh=self.refresh_prefetched)
+
+    def discard_prefetched(self) -> None:
+        """Drop every prefetched lookup (before an evaluation, at the end): exchanges in flight are
+        waited for, so no collective is left half done."""
+        for queue in self._prefetched.values():
+            for started in queue:
+                if hasattr(started.pending, "wait"):  # exchanged (routed-only ones have no collective open)
+                    started.pending.wait()
+        self._prefetched.clear()
+        self._unexchanged.clear()
+
+    def track_updates(self) -> None:
+        """Remember the rows each step reads, to refresh prefetch buffers (DBP)."""
+        self.tables.track_updates()
 
     def _take_prefetched(self, feature: str, ids: torch.Tensor) -> Optional["_StartedLookup"]:
         queue = self._prefetched.get(feature)
@@ -351,6 +431,9 @@ class SparseRuntime:
                 f"sparse pipeline: the forward looked up feature {feature!r} with other ids than the ones "
                 f"extracted ahead of it ({kept.numel()} vs {started.kept.numel()} valid ids); the model's lookup "
                 f"keys cannot be computed before its forward here: train with --pipeline sync")
+        if started in self._unexchanged:  # the forward came first: exchange in prefetch order up to it
+            while self._unexchanged and started in self._unexchanged:
+                self.exchange_routed(1)
         return started
 
     def prefetched(self) -> int:
@@ -468,8 +551,10 @@ class SparseRuntime:
     def new_step(self) -> None:
         """Drop lookups whose backward never came (a forward under grad whose loss was not used)."""
         self._in_flight.clear()
-        if self.prefetched():
-            raise RuntimeError(f"sparse pipeline: {self.prefetched()} prefetched lookups were never used "
+        self.tables.new_step()
+        if self.prefetched() > len(self._unexchanged):
+            raise RuntimeError(f"sparse pipeline: {self.prefetched() - len(self._unexchanged)} prefetched lookups "
+                               f"were never used "
                                f"(the forward made fewer lookups than were extracted ahead of it)")
 
     def in_flight(self) -> int:

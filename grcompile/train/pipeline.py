@@ -29,7 +29,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..passes.lookup_keys import extract_lookup_keys
 from ..runtime.sparse import SparseRuntime
 
-PIPELINES = ("sync", "fwp")
+PIPELINES = ("sync", "fwp", "dbp", "dbp+fwp")
 Batch = dict[str, torch.Tensor]
 
 
@@ -92,18 +92,25 @@ def unique_ids_sent(ids: torch.Tensor, parts: list[torch.Tensor], pad: int = 0) 
     return sum(int(ids[p][ids[p] != pad].unique().numel()) for p in parts)
 
 
-class FrozenWindowPipeline:
-    """One training step's forward/backward as FWP (module docstring). ``step`` returns the sum of
-    the micro-batches' weighted losses (this rank's share of the global mean loss), detached."""
+class SparsePipeline:
+    """One training step's forward/backward under ``schedule`` (module docstring): ``fwp``,
+    ``dbp``, ``dbp+fwp``. ``step`` returns the sum of the micro-batches' weighted losses (this
+    rank's share of the global mean loss), detached; the caller all-reduces the dense gradients
+    and steps the optimizers, as in a synchronous step."""
 
-    def __init__(self, task: nn.Module, runtime: Optional[SparseRuntime], micro_batches: int, *,
-                 cluster: bool = True, world: int = 1) -> None:
+    def __init__(self, task: nn.Module, runtime: Optional[SparseRuntime], micro_batches: int = 1, *,
+                 schedule: str = "fwp", cluster: bool = True, world: int = 1) -> None:
+        if schedule not in PIPELINES or schedule == "sync":
+            raise ValueError(f"schedule must be one of {PIPELINES[1:]}, got {schedule!r}")
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
-        self.task, self.runtime, self.micro_batches, self.cluster, self.world = task, runtime, micro_batches, cluster, world
+        self.fwp, self.dbp = "fwp" in schedule, "dbp" in schedule
+        self.micro_batches = micro_batches if self.fwp else 1
+        self.task, self.runtime, self.schedule, self.cluster, self.world = task, runtime, schedule, cluster, world
         self.extract = KeyExtractor(task)
         self.seconds = {"key_extraction": 0.0, "clustering": 0.0}
         self.unique_ids = {"clustered": 0, "unclustered": 0}
+        self._upcoming: Optional[tuple[Batch, list[Batch], list, int]] = None  # DBP: the next step, routed
 
     @staticmethod
     def check_runtime(runtime: Optional[SparseRuntime]) -> None:
@@ -112,12 +119,29 @@ class FrozenWindowPipeline:
             raise PipelineUnsupported("there are no sharded tables to overlap (one process, no sparse runtime)")
         if runtime.dynamic is not None:
             raise PipelineUnsupported("dynamic hash tables apply their update at the end of every backward, "
-                                      "inside the window that FWP needs frozen")
+                                      "inside the window that FWP needs frozen, and their rows cannot be prefetched")
         if not hasattr(runtime.tables, "_shard"):
             raise PipelineUnsupported("the frozen window needs the update after the last micro-batch; TorchRec's "
                                       "fused optimizer updates in every backward (use --sparse-backend native)")
         if getattr(runtime.tables, "hsp", False):
             raise PipelineUnsupported("FWP with hierarchical sparse parallelism (--hsp-group-size) is not built")
+
+    def check_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """DBP refreshes the prefetched rows the last step read: the optimizer must move no other
+        rows (SGD without momentum or weight decay, Adagrad without weight decay)."""
+        if not self.dbp:
+            return
+        shard_params = {id(p) for p in self.runtime.tables.parameters()}
+        for opt in optimizers:
+            for group in opt.param_groups:
+                if not any(id(p) in shard_params for p in group["params"]):
+                    continue
+                plain_sgd = isinstance(opt, torch.optim.SGD) and not group.get("momentum") and not group.get("weight_decay")
+                plain_adagrad = isinstance(opt, torch.optim.Adagrad) and not group.get("weight_decay")
+                if not (plain_sgd or plain_adagrad):
+                    raise PipelineUnsupported(
+                        f"DBP: {type(opt).__name__} moves table rows that got no gradient (momentum or weight decay), "
+                        f"so rows prefetched before an update could be stale: use --sparse-optimizer sgd or adagrad")
 
     def verify(self, inputs: tuple[torch.Tensor, ...], run_forward_backward: Callable[[], None]) -> Optional[str]:
         """Run one ordinary (sync) step's forward/backward while recording the lookups it makes and
@@ -155,28 +179,59 @@ class FrozenWindowPipeline:
         self.unique_ids["unclustered"] += unique_ids_sent(local["ids"], plain)
         return parts
 
-    def step(self, step_fn: Callable[..., torch.Tensor], batch: Batch, local: Batch) -> torch.Tensor:
-        runtime = self.runtime
-        global_targets = max(self.task.count_targets(batch["ids"]), 1)
+    def _plan(self, batch: Batch, local: Batch) -> tuple[list[Batch], list[list], int]:
+        """Micro-batches, their lookup keys, the global batch's target count."""
         micro = [{k: v[rows] for k, v in local.items()} for rows in self.parts(local, batch["ids"].shape[0])]
         start = time.perf_counter()
         keys = [self.extract(mb["ids"], mb["timestamps"], mb["negatives"]) for mb in micro]
         self.seconds["key_extraction"] += time.perf_counter() - start
-        runtime.defer_sparse_backward(True)
+        return micro, keys, max(self.task.count_targets(batch["ids"]), 1)
+
+    def step(self, step_fn: Callable[..., torch.Tensor], batch: Batch, local: Batch,
+             upcoming: Optional[tuple[Batch, Batch]] = None) -> torch.Tensor:
+        """``upcoming``: the next step's ``(batch, local)`` — DBP routes its keys and reads its rows
+        during this step; its buffers are brought up to date when that step begins."""
+        runtime = self.runtime
+        if self.dbp and self._upcoming is not None and self._upcoming[0] is batch:
+            _, micro, keys, global_targets = self._upcoming  # routed during the previous step
+        else:
+            runtime.discard_prefetched()
+            micro, keys, global_targets = self._plan(batch, local)
+            if self.dbp:
+                runtime.track_updates()
+                runtime.prefetch([k for mb in keys for k in mb], exchange=False)
+        self._upcoming = None
+        runtime.defer_sparse_backward(self.fwp)
         total = torch.zeros(())
         try:
-            runtime.prefetch(keys[0])
+            self._start_exchange(keys[0])
+            if self.dbp and upcoming is not None:  # the next batch's key routing and retrieval
+                next_micro, next_keys, next_targets = self._plan(*upcoming)
+                runtime.prefetch([k for mb in next_keys for k in mb], exchange=False)
+                self._upcoming = (upcoming[0], next_micro, next_keys, next_targets)
             for i, mb in enumerate(micro):
                 if i + 1 < len(micro):
-                    runtime.prefetch(keys[i + 1])  # its embeddings travel while this one computes
+                    self._start_exchange(keys[i + 1])  # its embeddings travel while this one computes
                 loss = step_fn(mb["ids"], mb["timestamps"], mb["negatives"]) \
                     * (self.task.count_targets(mb["ids"]) / global_targets)
-                loss.backward()  # the sparse part of it goes on on the gradient thread
+                loss.backward()  # with FWP the sparse part of it goes on on the gradient thread
                 total = total + loss.detach()
             runtime.drain()
         finally:
             runtime.defer_sparse_backward(False)
         return total
+
+    def _start_exchange(self, keys: list) -> None:
+        if self.dbp:
+            self.runtime.exchange_routed(len(keys))  # buffers synced with the last update, then sent
+        else:
+            self.runtime.prefetch(keys)
+
+    def discard(self) -> None:
+        """Before an evaluation or at the end: nothing of a next step stays prefetched."""
+        self._upcoming = None
+        if self.runtime is not None:
+            self.runtime.discard_prefetched()
 
 
 def _compare(expected: list[tuple[str, torch.Tensor]], recorded: list[tuple[str, torch.Tensor]],
@@ -201,5 +256,5 @@ def _compare(expected: list[tuple[str, torch.Tensor]], recorded: list[tuple[str,
     return None
 
 
-__all__ = ["FrozenWindowPipeline", "KeyExtractor", "PIPELINES", "PipelineUnsupported", "cluster_rows",
+__all__ = ["SparsePipeline", "KeyExtractor", "PIPELINES", "PipelineUnsupported", "cluster_rows",
            "unique_ids_sent"]

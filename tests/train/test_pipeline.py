@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from grcompile.passes.lookup_keys import extract_lookup_keys
 from grcompile.runtime import dense_parameters, shard_embeddings
 from grcompile.runtime.launch import run_on_ranks
-from grcompile.train.pipeline import (FrozenWindowPipeline, KeyExtractor, PipelineUnsupported, cluster_rows,
+from grcompile.train.pipeline import (KeyExtractor, SparsePipeline, PipelineUnsupported, cluster_rows,
                                       unique_ids_sent)
 from tests.runtime.test_embedding_rewrite import N, V, length_mix, make_task
 
@@ -110,11 +110,18 @@ def _train(rank: int, world: int, schedule: str, optimizer: str, dedup: str) -> 
     runtime = shard_embeddings(task, backend="native", dedup=dedup, sharding="row")
     params = list(task.parameters())
     opt = torch.optim.Adagrad(params, lr=0.05) if optimizer == "adagrad" else torch.optim.Adam(params, lr=0.01)
-    pipeline = FrozenWindowPipeline(task, runtime, micro_batches=3, world=world)
+    pipelined = schedule.removeprefix("stale-")
+    pipeline = SparsePipeline(task, runtime, micro_batches=3, world=world,
+                              schedule=pipelined if pipelined in ("fwp", "dbp", "dbp+fwp") else "fwp")
+    runtime.refresh_prefetched = not schedule.startswith("stale-")  # negative control: stale buffers
+    batches = _batches(world)
+
+    def local_of(batch):
+        return {k: v[rank * B // world:(rank + 1) * B // world] for k, v in batch.items()}
+
     losses = []
-    for batch in _batches(world):
-        rows = slice(rank * B // world, (rank + 1) * B // world)
-        local = {k: v[rows] for k, v in batch.items()}
+    for step, batch in enumerate(batches):
+        local = local_of(batch)
         opt.zero_grad(set_to_none=True)
         runtime.new_step()
         if schedule == "sync":
@@ -122,9 +129,7 @@ def _train(rank: int, world: int, schedule: str, optimizer: str, dedup: str) -> 
             loss = task(local["ids"], local["timestamps"], local["negatives"]) * weight
             loss.backward()
             loss = loss.detach()
-        elif schedule == "fwp":
-            loss = pipeline.step(task, batch, local)
-        else:  # negative control: the optimizers step after every micro-batch (the window is not frozen)
+        elif schedule == "unfrozen":  # negative control: the optimizers step after every micro-batch
             loss = torch.zeros(())
             for part in pipeline.parts(local, B):
                 mb = {k: v[part] for k, v in local.items()}
@@ -135,12 +140,16 @@ def _train(rank: int, world: int, schedule: str, optimizer: str, dedup: str) -> 
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 loss = loss + l_mb.detach()
+        else:
+            upcoming = (batches[step + 1], local_of(batches[step + 1])) if step + 1 < len(batches) else None
+            loss = pipeline.step(task, batch, local, upcoming)
         if schedule != "unfrozen":
             _all_reduce_dense(task)
             opt.step()
         total = loss.clone()
         dist.all_reduce(total)
         losses.append(float(total))
+    pipeline.discard()
     tables = {t: runtime.tables.full(t) for t in runtime.plan.tables}
     dense = {k: v.detach().clone() for k, v in task.state_dict().items() if "grcompile" not in k}
     return {"losses": losses, "tables": tables, "dense": dense, "unique": pipeline.unique_ids}
@@ -152,22 +161,48 @@ def _all_reduce_dense(task) -> None:
             dist.all_reduce(p.grad)
 
 
-def _schedules(rank: int, world: int, optimizer: str, dedup: str) -> dict:
-    return {s: _train(rank, world, s, optimizer, dedup) for s in ("sync", "fwp", "unfrozen")}
+SCHEDULES = ("sync", "fwp", "dbp", "dbp+fwp", "unfrozen", "stale-dbp")
 
 
-@pytest.mark.parametrize("optimizer, dedup", [("adagrad", "two_stage"),
-                                              pytest.param("adam", "none", marks=pytest.mark.slow)])
-def test_fwp_on_two_ranks_trains_exactly_like_the_synchronous_step(optimizer, dedup):
-    results = run_on_ranks(_schedules, 2, optimizer, dedup)
+def _schedules(rank: int, world: int, optimizer: str, dedup: str, schedules=SCHEDULES) -> dict:
+    return {s: _train(rank, world, s, optimizer, dedup) for s in schedules}
+
+
+def _assert_same_training(run, sync):
+    # float64: the same sums in another grouping (micro-batch means weighted by target shares)
+    torch.testing.assert_close(run["losses"], sync["losses"], rtol=1e-12, atol=1e-12)
+    for part in ("tables", "dense"):
+        for name in sync[part]:
+            torch.testing.assert_close(run[part][name], sync[part][name], rtol=1e-10, atol=1e-12)
+
+
+def _assert_moved_off(run, sync):
+    assert max(abs(a - b) for a, b in zip(run["losses"], sync["losses"])) > 1e-6
+
+
+def test_pipelines_on_two_ranks_train_exactly_like_the_synchronous_step():
+    """FWP, DBP and both, with Adagrad (state per row) and two-stage dedup; the negative controls
+    (a window that is not frozen, prefetch buffers not synced with the last update) move off."""
+    results = run_on_ranks(_schedules, 2, "adagrad", "two_stage")
     for rank, r in results.items():
-        sync, fwp, unfrozen = r["sync"], r["fwp"], r["unfrozen"]
-        # float64: the same sums in another grouping (micro-batch means weighted by target shares)
-        torch.testing.assert_close(fwp["losses"], sync["losses"], rtol=1e-12, atol=1e-12)
-        for name in sync["tables"]:
-            torch.testing.assert_close(fwp["tables"][name], sync["tables"][name], rtol=1e-10, atol=1e-12)
-        for name in sync["dense"]:
-            torch.testing.assert_close(fwp["dense"][name], sync["dense"][name], rtol=1e-10, atol=1e-12)
-        # the negative control moves off the synchronous run: the test can fail
-        assert max(abs(a - b) for a, b in zip(unfrozen["losses"], sync["losses"])) > 1e-6
-        assert fwp["unique"]["clustered"] <= fwp["unique"]["unclustered"]
+        for schedule in ("fwp", "dbp", "dbp+fwp"):
+            _assert_same_training(r[schedule], r["sync"])
+        _assert_moved_off(r["unfrozen"], r["sync"])
+        _assert_moved_off(r["stale-dbp"], r["sync"])
+        assert r["fwp"]["unique"]["clustered"] <= r["fwp"]["unique"]["unclustered"]
+
+
+@pytest.mark.slow
+def test_fwp_with_adam_and_no_dedup_on_four_ranks():
+    results = run_on_ranks(_schedules, 4, "adam", "none", ("sync", "fwp"))
+    for r in results.values():
+        _assert_same_training(r["fwp"], r["sync"])
+
+
+def test_dbp_refuses_optimizers_that_move_rows_without_gradient():
+    task = make_task()
+    runtime = shard_embeddings(task)
+    pipeline = SparsePipeline(task, runtime, schedule="dbp")
+    pipeline.check_optimizers([torch.optim.Adagrad(task.parameters())])
+    with pytest.raises(PipelineUnsupported, match="Adam moves table rows that got no gradient"):
+        pipeline.check_optimizers([torch.optim.Adam(task.parameters())])
