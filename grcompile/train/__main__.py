@@ -81,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "tables: any id >= 0, inserted on first sight, sharded by id when distributed")
     d.add_argument("--checkpoint-every", type=argparse_type("checkpoint_every"), default=None,
                    help="also checkpoint every N steps")
+    d.add_argument("--pipeline", choices=("sync", "fwp", "dbp", "dbp+fwp"), default="sync",
+                   help="sparse pipeline schedule (native backend): fwp overlaps the embedding/gradient all-to-alls "
+                        "of micro-batches with their neighbours' compute; dbp routes and reads the next batch's rows "
+                        "during this step; the training is the synchronous one in each (docs/pipelines.md)")
+    d.add_argument("--micro-batches", type=argparse_type("micro_batches"), default=4, help="fwp: per step")
+    d.add_argument("--balance", choices=("equal", "tokens", "cost"), default="equal",
+                   help="rows of the global batch to ranks: equal slices, or by a greedy on tokens or on estimated "
+                        "cost a·n + b·n² (never splitting a sequence; the gradient stays the global mean)")
     d.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection (tests)
     return p
 
@@ -109,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        sparse_backend=args.sparse_backend, dedup=args.dedup, hsp_group_size=args.hsp_group_size,
                        dense_optimizer=args.optimizer, sparse_optimizer=args.sparse_optimizer, sparse_lr=args.sparse_lr,
                        checkpoint_every=args.checkpoint_every, model_overrides=overrides,
+                       pipeline=args.pipeline, micro_batches=args.micro_batches, balance=args.balance,
                        dynamic_features=[m for m in args.dynamic_tables.split(",") if m])
     try:
         return resolve_sparse_optimizer(config)  # before any process group: a refused combination fails at once

@@ -50,7 +50,7 @@ BOUNDS: dict[str, Bound] = {
     "weight_decay": Bound(float, 0), "temperature": Bound(float, 0, inclusive=False),
     "num_negatives": Bound(int, 1),  # 0 negatives: a softmax over the positive alone, loss exactly 0
     "patience": Bound(int, 1), "eval_every": Bound(int, 1), "k_core": Bound(int, 0), "threads": Bound(int, 1),
-    "hsp_group_size": Bound(int, 1), "checkpoint_every": Bound(int, 1),
+    "hsp_group_size": Bound(int, 1), "checkpoint_every": Bound(int, 1), "micro_batches": Bound(int, 1),
     # model_overrides / synthetic entries
     "dropout": Bound(float, 0, high=1), "embedding_dim": Bound(int, 1), "num_blocks": Bound(int, 1),
     "num_categories": Bound(int, 0), "num_users": Bound(int, 1), "num_items": Bound(int, 1),
@@ -110,6 +110,9 @@ class TrainConfig:
     sparse_lr: float | None = None  # None: lr
     dynamic_features: list[str] = field(default_factory=list)  # embedding modules made hash tables
     checkpoint_every: int | None = None  # steps between checkpoints (besides every epoch's end)
+    pipeline: str = "sync"  # sync | fwp | dbp | dbp+fwp (train/pipeline.py); same training in each
+    micro_batches: int = 4  # fwp: micro-batches per step
+    balance: str = "equal"  # rows to ranks: equal slices | tokens | cost (data/balance.py)
     synthetic: dict[str, Any] = field(default_factory=dict)  # SyntheticConfig overrides
     model_overrides: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides
 
@@ -131,6 +134,10 @@ class TrainConfig:
         if self.sparse_optimizer is not None and self.sparse_optimizer not in SPARSE_OPTIMIZERS:
             raise ValueError(f"TrainConfig.sparse_optimizer must be one of {SPARSE_OPTIMIZERS} (or None: the "
                              f"setting's default), got {self.sparse_optimizer!r}")
+        if self.pipeline not in ("sync", "fwp", "dbp", "dbp+fwp"):
+            raise ValueError(f"TrainConfig.pipeline must be sync, fwp, dbp or dbp+fwp, got {self.pipeline!r}")
+        if self.balance not in ("equal", "tokens", "cost"):
+            raise ValueError(f"TrainConfig.balance must be equal, tokens or cost, got {self.balance!r}")
 
 
 # -- the sparse optimizer: the default of each setting, and the combinations that are refused -------

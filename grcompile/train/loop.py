@@ -18,6 +18,7 @@ from ..data import EvalLoader, TrainLoader, get_dataset
 from . import checkpoint
 from .config import TrainConfig, resolve_sparse_optimizer
 from .metrics import evaluate
+from .pipeline import setup_pipeline
 from .parallel import Parallel, StepTiming, dense_state, load_distributed, make_optimizers, save_distributed
 
 
@@ -64,6 +65,7 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
     log(f"[grcompile.train] {config.model}/{config.preset} on {ds.name}{where}: {len(split.train)} users, "
         f"{ds.num_items} items, max_len {max_len}, {len(loader)} steps/epoch; {describe_mode(step_fn)}")
     log(f"[grcompile.train] sparse optimizer {config.sparse_optimizer}: {config.sparse_optimizer_reason}")
+    pipeline, pipeline_info = setup_pipeline(task, config, parallel, optimizers, log)
 
     state: dict[str, Any] = dict(epoch=0, step_in_epoch=0, global_step=0, losses=[], valid_history=[],
                                  best_metric=-math.inf, best_epoch=-1, best_state=None, bad_epochs=0,
@@ -113,10 +115,11 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         stop_reason = "steps"  # a resumed run that is already there: evaluate only
     while state["epoch"] < config.epochs and stop_reason == "epochs":
         epoch = state["epoch"]
-        bar = tqdm(loader.iterate(epoch, state["step_in_epoch"]), total=len(loader), initial=state["step_in_epoch"],
-                   desc=f"epoch {epoch}", disable=not progress, mininterval=2.0, leave=False)
+        bar = tqdm(_with_next(loader.iterate(epoch, state["step_in_epoch"])), total=len(loader),
+                   initial=state["step_in_epoch"], desc=f"epoch {epoch}", disable=not progress, mininterval=2.0,
+                   leave=False)
         epoch_start, epoch_tokens, stopped = time.perf_counter(), 0, False
-        for batch in bar:
+        for batch, next_batch in bar:
             if fail_at_step is not None and state["global_step"] == fail_at_step and parallel.rank == parallel.world - 1:
                 os.kill(os.getpid(), signal.SIGKILL)  # a rank dies mid-run, no goodbye
             timing.begin()
@@ -124,8 +127,24 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
             local = parallel.local(batch)
-            loss = step_fn(local["ids"], local["timestamps"], local["negatives"]) * parallel.loss_weight(task, batch, local)
-            loss.backward()
+            if pipeline is not None and pipeline_info["verified"]:
+                upcoming = (next_batch, parallel.local(next_batch)) if next_batch is not None else None
+                loss = pipeline.step(step_fn, batch, local, upcoming)
+            else:
+                def forward_backward() -> None:
+                    nonlocal loss
+                    loss = step_fn(local["ids"], local["timestamps"], local["negatives"]) \
+                        * parallel.loss_weight(task, batch, local)
+                    loss.backward()
+
+                if pipeline is None:
+                    forward_backward()
+                else:  # the first step: synchronous, and checks the keys the pipeline would extract
+                    reason = pipeline.verify((local["ids"], local["timestamps"], local["negatives"]), forward_backward)
+                    pipeline_info.update(verified=reason is None, reason=reason)
+                    if reason is not None:
+                        log(f"[grcompile.train] --pipeline {config.pipeline} declined, running sync: {reason}")
+                        pipeline_info["running"], pipeline = "sync", None
             parallel.sync_gradients(task)
             for opt in optimizers:
                 opt.step()
@@ -148,6 +167,8 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
                 state["train_seconds"] = time.perf_counter() - started
                 save_checkpoint()
         bar.close()
+        if pipeline is not None:
+            pipeline.discard()  # nothing of a next step stays prefetched into the evaluation
         state["train_seconds"] = time.perf_counter() - started
         if stopped:
             save_checkpoint()
@@ -196,6 +217,7 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         "minutes_per_epoch": state["train_seconds"] / 60 / max(epochs_done, 1e-9),
         "tokens_per_s": state["valid_tokens"] / max(state["train_seconds"], 1e-9),
         "compile_mode": describe_mode(step_fn),
+        "pipeline": {k: v for k, v in pipeline_info.items() if k != "verified"},
         "step_time_ms": timing.summary(),
     }
     if return_weights:
@@ -206,10 +228,20 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
     return result
 
 
+def _with_next(batches):
+    """``(batch, the next batch or None)``: the pipeline's DBP routes a step ahead."""
+    iterator = iter(batches)
+    current = next(iterator, None)
+    while current is not None:
+        following = next(iterator, None)
+        yield current, following
+        current = following
+
+
 def _resume_key(config: TrainConfig) -> dict[str, Any]:
-    """The config minus the fields a resumed run may change (where to stop)."""
+    """The config minus the fields a resumed run may change (where to stop, how the same step is run)."""
     key = config.to_dict()
     for field in ("epochs", "steps", "max_minutes", "threads", "sharding", "dedup", "checkpoint_every",
-                  "sparse_optimizer_reason"):
+                  "sparse_optimizer_reason", "pipeline", "micro_batches", "balance"):
         key.pop(field)
     return key

@@ -37,6 +37,8 @@ class Parallel:
     runtime: Optional[SparseRuntime] = None
     distributed: bool = False  # tables over a process group (else: a one-process runtime, or none)
     seconds: dict[str, float] = field(default_factory=lambda: {"dense_all_reduce": 0.0, "hsp_sync": 0.0})
+    balance: str = "equal"  # rows to ranks: equal | tokens | cost
+    cost: Any = "tokens"  # balance's cost of a row (a SequenceCost for "cost")
 
     @classmethod
     def setup(cls, task: nn.Module, config: TrainConfig, log=print) -> "Parallel":
@@ -61,7 +63,12 @@ class Parallel:
                                    seed=config.seed, log=log if rank == 0 else None)
         if rank == 0 and hasattr(runtime.tables, "describe"):
             log(f"[grcompile.train] sharding plan: {runtime.tables.describe()}")
-        return cls(world=world, rank=rank, runtime=runtime, distributed=True)
+        cost: Any = "tokens"
+        if config.balance == "cost":
+            from ..data.balance import SequenceCost
+
+            cost = SequenceCost.for_model(task.encoder.config, config.num_negatives)
+        return cls(world=world, rank=rank, runtime=runtime, distributed=True, balance=config.balance, cost=cost)
 
     def check_checkpointable(self) -> None:
         """Fail at start, not at the first save: which sparse state a checkpoint can hold."""
@@ -79,11 +86,19 @@ class Parallel:
             self.runtime.new_step()
 
     # -- data -----------------------------------------------------------------------------------
+    def assignment(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Rows of the global batch per rank (every rank computes the same): equal slices, or the
+        greedy of ``data/balance.py`` on tokens or estimated cost (``balance``)."""
+        from ..data.balance import assign_rows, equal_slices, row_lengths
+
+        if self.balance == "equal":
+            return equal_slices(batch["ids"].shape[0], self.world)
+        return assign_rows(row_lengths(batch["ids"]), self.world, self.cost)
+
     def local(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not self.distributed:
             return batch
-        B = batch["ids"].shape[0]
-        rows = slice(self.rank * B // self.world, (self.rank + 1) * B // self.world)
+        rows = self.assignment(batch)[self.rank]
         return {k: v[rows] for k, v in batch.items()}
 
     def loss_weight(self, task: nn.Module, batch: dict, local: dict) -> float:

@@ -111,6 +111,8 @@ class SparsePipeline:
         self.seconds = {"key_extraction": 0.0, "clustering": 0.0}
         self.unique_ids = {"clustered": 0, "unclustered": 0}
         self._upcoming: Optional[tuple[Batch, list[Batch], list, int]] = None  # DBP: the next step, routed
+        # the fewest rows a rank gets of a global batch (equal slices unless the trainer balances)
+        self.fewest_rows: Callable[[Batch], int] = lambda batch: batch["ids"].shape[0] // world
 
     @staticmethod
     def check_runtime(runtime: Optional[SparseRuntime]) -> None:
@@ -166,11 +168,11 @@ class SparsePipeline:
             reason = "another rank's lookups did not match their extracted keys"
         return reason
 
-    def parts(self, local: Batch, global_rows: int) -> list[torch.Tensor]:
+    def parts(self, local: Batch, fewest_rows: int) -> list[torch.Tensor]:
         """Micro-batches of this rank's rows: as many on every rank (each one is collectives), so
-        bounded by the smallest slice any rank can have."""
+        bounded by ``fewest_rows``, the fewest rows any rank has in this step."""
         rows = local["ids"].shape[0]
-        n = max(1, min(self.micro_batches, global_rows // self.world, rows))
+        n = max(1, min(self.micro_batches, fewest_rows, rows))
         start = time.perf_counter()
         plain = list(torch.tensor_split(torch.arange(rows), n))
         parts = cluster_rows(local["ids"], n) if self.cluster else plain
@@ -181,7 +183,7 @@ class SparsePipeline:
 
     def _plan(self, batch: Batch, local: Batch) -> tuple[list[Batch], list[list], int]:
         """Micro-batches, their lookup keys, the global batch's target count."""
-        micro = [{k: v[rows] for k, v in local.items()} for rows in self.parts(local, batch["ids"].shape[0])]
+        micro = [{k: v[rows] for k, v in local.items()} for rows in self.parts(local, self.fewest_rows(batch))]
         start = time.perf_counter()
         keys = [self.extract(mb["ids"], mb["timestamps"], mb["negatives"]) for mb in micro]
         self.seconds["key_extraction"] += time.perf_counter() - start
@@ -234,6 +236,26 @@ class SparsePipeline:
             self.runtime.discard_prefetched()
 
 
+def setup_pipeline(task: nn.Module, config, parallel, optimizers: list, log) -> tuple[Optional[SparsePipeline], dict]:
+    """The trainer's pipeline for ``config.pipeline`` (``None``: sync), and what to record about
+    it: asked for, running, and why not when it declined (the training is the same either way)."""
+    info = {"requested": config.pipeline, "running": "sync", "reason": None, "verified": False}
+    if config.pipeline == "sync":
+        return None, info
+    pipeline = SparsePipeline(task, parallel.runtime, config.micro_batches, schedule=config.pipeline,
+                              world=parallel.world)
+    try:
+        SparsePipeline.check_runtime(parallel.runtime)
+        pipeline.check_optimizers(optimizers)
+    except PipelineUnsupported as e:
+        info["reason"] = str(e)
+        log(f"[grcompile.train] --pipeline {config.pipeline} declined, running sync: {e}")
+        return None, info
+    pipeline.fewest_rows = lambda batch: min(len(rows) for rows in parallel.assignment(batch))
+    info["running"] = config.pipeline + " (from the second step: the first one checks the extracted keys)"
+    return pipeline, info
+
+
 def _compare(expected: list[tuple[str, torch.Tensor]], recorded: list[tuple[str, torch.Tensor]],
              runtime: SparseRuntime) -> Optional[str]:
     """Same valid ids per feature, in the same order per feature (features may interleave)."""
@@ -256,5 +278,5 @@ def _compare(expected: list[tuple[str, torch.Tensor]], recorded: list[tuple[str,
     return None
 
 
-__all__ = ["SparsePipeline", "KeyExtractor", "PIPELINES", "PipelineUnsupported", "cluster_rows",
+__all__ = ["SparsePipeline", "setup_pipeline", "KeyExtractor", "PIPELINES", "PipelineUnsupported", "cluster_rows",
            "unique_ids_sent"]

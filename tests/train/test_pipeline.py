@@ -131,7 +131,7 @@ def _train(rank: int, world: int, schedule: str, optimizer: str, dedup: str) -> 
             loss = loss.detach()
         elif schedule == "unfrozen":  # negative control: the optimizers step after every micro-batch
             loss = torch.zeros(())
-            for part in pipeline.parts(local, B):
+            for part in pipeline.parts(local, B // world):
                 mb = {k: v[part] for k, v in local.items()}
                 l_mb = task(mb["ids"], mb["timestamps"], mb["negatives"]) * (
                     task.count_targets(mb["ids"]) / max(task.count_targets(batch["ids"]), 1))
@@ -206,3 +206,45 @@ def test_dbp_refuses_optimizers_that_move_rows_without_gradient():
     pipeline.check_optimizers([torch.optim.Adagrad(task.parameters())])
     with pytest.raises(PipelineUnsupported, match="Adam moves table rows that got no gradient"):
         pipeline.check_optimizers([torch.optim.Adam(task.parameters())])
+
+
+# -- through the trainer -----------------------------------------------------------------------------
+def _trainer_worker(rank, world, jobs):
+    from grcompile.train.loop import train
+
+    out = {}
+    for key, config in jobs:
+        result = train(config, progress=False, log=lambda *a: None, return_weights=True)
+        out[key] = {k: result[k] for k in ("losses", "feature_weights", "dense_weights", "pipeline")}
+    return out
+
+
+def test_trainer_pipelines_and_balanced_ranks_train_like_sync():
+    """``--pipeline fwp | dbp+fwp`` and ``--balance cost`` on 2 native ranks, Adagrad tables: the
+    losses and weights of the synchronous run with equal slices (float32, 20 steps)."""
+    import dataclasses
+
+    from tests.train.test_distributed import BASE, assert_same_training
+
+    base = dataclasses.replace(BASE, sharding="row", sparse_backend="native", sparse_optimizer="adagrad",
+                               sparse_lr=0.05)
+    jobs = [("sync", base),
+            ("fwp", dataclasses.replace(base, pipeline="fwp", micro_batches=3)),
+            ("dbp+fwp", dataclasses.replace(base, pipeline="dbp+fwp", micro_batches=2, balance="cost"))]
+    results = run_on_ranks(_trainer_worker, 2, jobs)[0]
+    for key in ("fwp", "dbp+fwp"):
+        assert results[key]["pipeline"]["running"].startswith(key) and results[key]["pipeline"]["reason"] is None
+        assert_same_training(results[key], results["sync"])
+
+
+def test_trainer_says_why_a_pipeline_is_declined():
+    from grcompile.train.loop import train
+    from tests.train.test_distributed import BASE
+
+    import dataclasses
+
+    lines = []
+    result = train(dataclasses.replace(BASE, steps=2, pipeline="fwp"), progress=False, log=lines.append)
+    assert result["pipeline"] == {"requested": "fwp", "running": "sync",
+                                  "reason": "there are no sharded tables to overlap (one process, no sparse runtime)"}
+    assert any("--pipeline fwp declined, running sync" in line for line in lines)
