@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-SCHEDULES = ("sync", "fwp")
+SCHEDULES = ("sync", "fwp", "dbp", "dbp+fwp")
 
 
 # -- one rank ----------------------------------------------------------------------------------------
@@ -67,32 +67,41 @@ def _run_schedule(args, schedule: str, rank: int, world: int) -> dict[str, Any]:
                             embedding_dim=args.dim, attention_dim=args.dim, linear_dim=args.dim, dropout=0.0)
     task = SampledSoftmaxRetrieval(encoder)
     runtime = shard_embeddings(task, backend="native", dedup="two_stage", sharding="row")
-    opt = torch.optim.Adam(task.parameters(), lr=1e-3)
-    pipeline = SparsePipeline(task, runtime, args.micro_batches, world=world, schedule=schedule if schedule != "sync" else "fwp")
     dense = [p for p in dense_parameters(task) if p.requires_grad]
+    optimizers = [torch.optim.Adam(dense, lr=1e-3), torch.optim.Adagrad(runtime.tables.parameters(), lr=0.05)]
+    pipeline = SparsePipeline(task, runtime, args.micro_batches, world=world,
+                              schedule=schedule if schedule != "sync" else "fwp")
     steps, B = [], args.batch_size
     traced_step = args.warmup + 1
-    for i, batch in enumerate(_batches(args, args.warmup + args.steps)):
-        local = {k: v[rank * B // world:(rank + 1) * B // world] for k, v in batch.items()}
+    batches = _batches(args, args.warmup + args.steps)
+
+    def local_of(batch):
+        return {k: v[rank * B // world:(rank + 1) * B // world] for k, v in batch.items()}
+
+    for i, batch in enumerate(batches):
+        local = local_of(batch)
         dist.barrier()
         timeline: list = [] if i == traced_step else None
         runtime.timeline = timeline
         start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
         runtime.new_step()
         with runtime.span("forward+backward"):
             if schedule == "sync":
                 weight = task.count_targets(local["ids"]) / max(task.count_targets(batch["ids"]), 1)
                 (task(local["ids"], local["timestamps"], local["negatives"]) * weight).backward()
             else:
-                pipeline.step(task, batch, local)
+                upcoming = (batches[i + 1], local_of(batches[i + 1])) if i + 1 < len(batches) else None
+                pipeline.step(task, batch, local, upcoming)
         with runtime.span("dense all-reduce"):
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in dense])
             dist.all_reduce(flat)
             for p, chunk in zip(dense, flat.split([p.numel() for p in dense])):
                 p.grad = chunk.view_as(p)
         with runtime.span("optimizer"):
-            opt.step()
+            for opt in optimizers:
+                opt.step()
         if i >= args.warmup:
             steps.append(time.perf_counter() - start)
         if timeline is not None:
@@ -100,7 +109,7 @@ def _run_schedule(args, schedule: str, rank: int, world: int) -> dict[str, Any]:
         runtime.timeline = None
     stats = runtime.tables.stats.as_dict()
     return {"step_s": steps, "trace": trace, "sparse_stats": stats, "unique_ids": pipeline.unique_ids,
-            "micro_batches": min(args.micro_batches, B // world)}
+            "micro_batches": pipeline.micro_batches and min(pipeline.micro_batches, B // world)}
 
 
 def worker(args) -> None:
@@ -157,8 +166,8 @@ def summarize(limited: list[dict], unlimited: list[dict]) -> dict[str, Any]:
                   "exposed_comm_ms": round(lim - unl, 1),
                   "exposed_comm_ratio": round((lim - unl) / comm, 3) if comm > 0 else None,
                   "embedding_bytes_per_rank": limited[0][s]["sparse_stats"]["embedding_bytes"],
-                  "micro_batches": limited[0][s]["micro_batches"] if s == "fwp" else 1,
-                  "unique_ids": limited[0][s]["unique_ids"] if s == "fwp" else None}
+                  "micro_batches": limited[0][s]["micro_batches"] if "fwp" in s else 1,
+                  "unique_ids": limited[0][s]["unique_ids"] if "fwp" in s else None}
     out["communication_ms"] = round(comm, 1)
     return out
 
@@ -180,7 +189,8 @@ def plot(results: list[dict], summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"forward+backward": "#c7c7c7", "route+read": "#1f77b4", "exchange wait": "#d62728",
+    colours = {"forward+backward": "#c7c7c7", "route+read": "#1f77b4", "buffer sync+exchange": "#17becf",
+               "exchange wait": "#d62728",
                "gradient exchange": "#ff7f0e", "gradient exchange wait": "#9467bd", "dense all-reduce": "#8c564b",
                "optimizer": "#2ca02c"}
     schedules = list(results[0])

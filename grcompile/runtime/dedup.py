@@ -83,7 +83,8 @@ class ShardedEmbedding(nn.Module):
 
     def read_owned(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of ids this rank owns (``id % W == rank``), differentiable into the shard."""
-        return self.weight[ids // self.world]
+        local = ids // self.world
+        return _ReadRows.apply(self.weight, local, self.weight.detach()[local])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.start(ids).wait()
@@ -159,7 +160,7 @@ class RoutedLookup:
                 stale = torch.isin(self.needed, updated)
                 if bool(stale.any()):
                     self.buffer[stale] = m.read_owned(self.needed[stale]).detach()
-            read = _ReadBuffer.apply(m.weight, self.needed // m.world, self.buffer)
+            read = _ReadRows.apply(m.weight, self.needed // m.world, self.buffer)
         if getattr(m, "_reads", None) is not None:
             m._reads.append(self.needed)
         rows = read[self.back] if self.back is not None else read
@@ -174,19 +175,27 @@ class RoutedLookup:
                              self.recv_split)
 
 
-class _ReadBuffer(torch.autograd.Function):
-    """``weight[rows]`` with its values taken from a prefetch buffer; gradient as indexing's."""
+class _ReadRows(torch.autograd.Function):
+    """``weight[rows]`` with its values given (read now, or earlier into a prefetch buffer); the
+    gradient is added into ``weight.grad`` at the rows only. Indexing's own backward would build a
+    zero gradient of the whole shard per lookup and add it: O(shard) per lookup, paid again by every
+    micro-batch. Added here directly (``weight.grad`` stays dense, as the optimizers expect)."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, rows: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, weight: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(rows)
-        ctx.weight_shape = weight.shape
-        return buffer.view_as(buffer)
+        ctx.weight = weight
+        return values.view_as(values)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (rows,) = ctx.saved_tensors
-        return grad.new_zeros(ctx.weight_shape).index_put_((rows,), grad, accumulate=True), None, None
+        weight = ctx.weight
+        with torch.no_grad():
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            weight.grad.index_add_(0, rows, grad.to(weight.dtype))
+        return None, None, None
 
 
 class PendingLookup:

@@ -68,7 +68,7 @@ class Tables(nn.Module):
         embedding exchange is asynchronous return it still in flight)."""
         return _Ready(self.lookup(table, rows))
 
-    def route_lookup(self, table: str, rows: torch.Tensor) -> "_Deferred":
+    def route_lookup(self, table: str, rows: torch.Tensor, *, buffered: bool = True) -> "_Deferred":
         """``start_lookup`` split once more: the keys routed now, ``exchange()`` later starts the
         rest (backends without a routing stage look up at ``exchange()``: always fresh)."""
         return _Deferred(lambda: self.start_lookup(table, rows))
@@ -363,7 +363,8 @@ class SparseRuntime:
         out[started.valid] = values
         return out.view(*ids.shape, f.dim)
 
-    def _start(self, feature: str, ids: torch.Tensor, routed_only: bool = False) -> "_StartedLookup":
+    def _start(self, feature: str, ids: torch.Tensor, routed_only: bool = False,
+               buffered: bool = True) -> "_StartedLookup":
         """Checks, padding dropped, stage-1 dedup, and the backend lookup started (its embedding
         exchange may still be in flight; ``routed_only``: not started yet, ``pending.exchange()``)."""
         self.check(feature, ids)
@@ -376,21 +377,24 @@ class SparseRuntime:
         inverse = None
         if self.dedup in ("comm", "two_stage"):
             rows, inverse = torch.unique(rows, return_inverse=True)
-        pending = backend.route_lookup(f.table, rows) if routed_only else backend.start_lookup(f.table, rows)
+        pending = backend.route_lookup(f.table, rows, buffered=buffered) if routed_only \
+            else backend.start_lookup(f.table, rows)
         return _StartedLookup(kept, valid, pending, inverse)
 
     # -- pipelining (train/pipeline.py schedules these) -----------------------------------------
-    def prefetch(self, lookups: Sequence[tuple[str, torch.Tensor]], *, exchange: bool = True) -> None:
+    def prefetch(self, lookups: Sequence[tuple[str, torch.Tensor]], *, exchange: bool = True,
+                 buffered: bool = True) -> None:
         """Start the lookups a coming forward will make: ids routed and rows read now, embeddings
         exchanged in the background — or, ``exchange=False`` (DBP), routed and read into a
         prefetch buffer only, exchanged by ``exchange_routed`` once the step before has updated
         the tables (the buffer's rows that step updated are read again then). The forward's k-th
         lookup of a feature takes the k-th prefetched one of that feature, which must be of the
         same ids (else it raises: a lookup made afresh there would be a collective the other ranks
-        do not make)."""
+        do not make). ``buffered=False`` with ``exchange=False``: routed only, the rows read at the
+        exchange (no update can come between inside one step)."""
         for feature, ids in lookups:
             with self.span(f"route+read {feature}"):
-                started = self._start(feature, ids, routed_only=not exchange)
+                started = self._start(feature, ids, routed_only=not exchange, buffered=buffered)
             self._prefetched.setdefault(feature, collections.deque()).append(started)
             if not exchange:
                 self._unexchanged.append(started)

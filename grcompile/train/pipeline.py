@@ -192,28 +192,32 @@ class SparsePipeline:
     def step(self, step_fn: Callable[..., torch.Tensor], batch: Batch, local: Batch,
              upcoming: Optional[tuple[Batch, Batch]] = None) -> torch.Tensor:
         """``upcoming``: the next step's ``(batch, local)`` — DBP routes its keys and reads its rows
-        during this step; its buffers are brought up to date when that step begins."""
+        during this step; its buffers are brought up to date when that step begins.
+
+        Every micro-batch's keys are routed at the start, before any embedding is on the wire (a
+        small id all-to-all queued behind megabytes of embeddings would wait for them); then the
+        exchanges go one micro-batch ahead of the compute."""
         runtime = self.runtime
         if self.dbp and self._upcoming is not None and self._upcoming[0] is batch:
             _, micro, keys, global_targets = self._upcoming  # routed during the previous step
         else:
             runtime.discard_prefetched()
-            micro, keys, global_targets = self._plan(batch, local)
             if self.dbp:
                 runtime.track_updates()
-                runtime.prefetch([k for mb in keys for k in mb], exchange=False)
+            micro, keys, global_targets = self._plan(batch, local)
+            runtime.prefetch([k for mb in keys for k in mb], exchange=False, buffered=self.dbp)
         self._upcoming = None
+        if self.dbp and upcoming is not None:  # the next batch's key routing and retrieval
+            next_micro, next_keys, next_targets = self._plan(*upcoming)
+            runtime.prefetch([k for mb in next_keys for k in mb], exchange=False, buffered=True)
+            self._upcoming = (upcoming[0], next_micro, next_keys, next_targets)
         runtime.defer_sparse_backward(self.fwp)
         total = torch.zeros(())
         try:
-            self._start_exchange(keys[0])
-            if self.dbp and upcoming is not None:  # the next batch's key routing and retrieval
-                next_micro, next_keys, next_targets = self._plan(*upcoming)
-                runtime.prefetch([k for mb in next_keys for k in mb], exchange=False)
-                self._upcoming = (upcoming[0], next_micro, next_keys, next_targets)
+            runtime.exchange_routed(len(keys[0]))  # DBP: buffers synced with the last update first
             for i, mb in enumerate(micro):
                 if i + 1 < len(micro):
-                    self._start_exchange(keys[i + 1])  # its embeddings travel while this one computes
+                    runtime.exchange_routed(len(keys[i + 1]))  # its embeddings travel while this one computes
                 loss = step_fn(mb["ids"], mb["timestamps"], mb["negatives"]) \
                     * (self.task.count_targets(mb["ids"]) / global_targets)
                 loss.backward()  # with FWP the sparse part of it goes on on the gradient thread
@@ -222,12 +226,6 @@ class SparsePipeline:
         finally:
             runtime.defer_sparse_backward(False)
         return total
-
-    def _start_exchange(self, keys: list) -> None:
-        if self.dbp:
-            self.runtime.exchange_routed(len(keys))  # buffers synced with the last update, then sent
-        else:
-            self.runtime.prefetch(keys)
 
     def discard(self) -> None:
         """Before an evaluation or at the end: nothing of a next step stays prefetched."""
