@@ -189,7 +189,7 @@ def plot(results: list[dict], summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"forward+backward": "#c7c7c7", "route+read": "#1f77b4", "buffer sync+exchange": "#17becf",
+    colours = {"forward+backward": "#c7c7c7", "route+read": "#1f77b4", "exchange start": "#17becf",
                "exchange wait": "#d62728",
                "gradient exchange": "#ff7f0e", "gradient exchange wait": "#9467bd", "dense all-reduce": "#8c564b",
                "optimizer": "#2ca02c"}

@@ -405,7 +405,7 @@ class SparseRuntime:
         count = len(self._unexchanged) if count is None else count
         for _ in range(count):
             started = self._unexchanged.popleft()
-            with self.span("buffer sync+exchange"):
+            with self.span("exchange start"):  # DBP: after the buffer sync
                 started.pending = started.pending.exchange(refresh=self.refresh_prefetched)
 
     def discard_prefetched(self) -> None:
