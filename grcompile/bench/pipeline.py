@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-SCHEDULES = ("sync", "fwp", "dbp", "dbp+fwp")
+SCHEDULES = ("sync", "fwp", "dbp", "dbp+fwp", "semi-async")
 
 
 # -- one rank ----------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from ..data import EvalLoader, TrainLoader, get_dataset
 from . import checkpoint
 from .config import TrainConfig, resolve_sparse_optimizer
 from .metrics import evaluate
-from .pipeline import setup_pipeline
+from .pipeline import STALE, setup_pipeline
 from .parallel import Parallel, StepTiming, dense_state, load_distributed, make_optimizers, save_distributed
 
 
@@ -241,7 +241,8 @@ def _with_next(batches):
 def _resume_key(config: TrainConfig) -> dict[str, Any]:
     """The config minus the fields a resumed run may change (where to stop, how the same step is run)."""
     key = config.to_dict()
+    key["pipeline"] = "stale" if config.pipeline in STALE else "synchronous"  # the exact schedules are one algorithm
     for field in ("epochs", "steps", "max_minutes", "threads", "sharding", "dedup", "checkpoint_every",
-                  "sparse_optimizer_reason", "pipeline", "micro_batches", "balance"):
+                  "sparse_optimizer_reason", "micro_batches", "balance"):
         key.pop(field)
     return key

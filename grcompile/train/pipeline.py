@@ -29,7 +29,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..passes.lookup_keys import extract_lookup_keys
 from ..runtime.sparse import SparseRuntime
 
-PIPELINES = ("sync", "fwp", "dbp", "dbp+fwp")
+PIPELINES = ("sync", "fwp", "dbp", "dbp+fwp", "semi-async")
+STALE = {"semi-async"}  # schedules whose embeddings are not the synchronous ones
 Batch = dict[str, torch.Tensor]
 
 
@@ -104,7 +105,7 @@ class SparsePipeline:
             raise ValueError(f"schedule must be one of {PIPELINES[1:]}, got {schedule!r}")
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
-        self.fwp, self.dbp = "fwp" in schedule, "dbp" in schedule
+        self.fwp, self.dbp, self.semi_async = "fwp" in schedule, "dbp" in schedule, schedule == "semi-async"
         self.micro_batches = micro_batches if self.fwp else 1
         self.task, self.runtime, self.schedule, self.cluster, self.world = task, runtime, schedule, cluster, world
         self.extract = KeyExtractor(task)
@@ -198,31 +199,38 @@ class SparsePipeline:
         small id all-to-all queued behind megabytes of embeddings would wait for them); then the
         exchanges go one micro-batch ahead of the compute."""
         runtime = self.runtime
-        if self.dbp and self._upcoming is not None and self._upcoming[0] is batch:
-            _, micro, keys, global_targets = self._upcoming  # routed during the previous step
+        ahead = self.dbp or self.semi_async
+        if ahead and self._upcoming is not None and self._upcoming[0] is batch:
+            _, micro, keys, global_targets = self._upcoming  # routed (semi-async: and sent) last step
         else:
             runtime.discard_prefetched()
             if self.dbp:
                 runtime.track_updates()
             micro, keys, global_targets = self._plan(batch, local)
-            runtime.prefetch([k for mb in keys for k in mb], exchange=False, buffered=self.dbp)
+            runtime.prefetch([k for mb in keys for k in mb], exchange=self.semi_async, buffered=self.dbp)
         self._upcoming = None
-        if self.dbp and upcoming is not None:  # the next batch's key routing and retrieval
+        if ahead and upcoming is not None:  # the next batch's key routing and retrieval
             next_micro, next_keys, next_targets = self._plan(*upcoming)
-            runtime.prefetch([k for mb in next_keys for k in mb], exchange=False, buffered=True)
+            # semi-async: sent now, read before this step's update: one step stale (TurboGR §4.2.2)
+            runtime.prefetch([k for mb in next_keys for k in mb], exchange=self.semi_async, buffered=True)
             self._upcoming = (upcoming[0], next_micro, next_keys, next_targets)
         runtime.defer_sparse_backward(self.fwp)
         total = torch.zeros(())
         try:
-            runtime.exchange_routed(len(keys[0]))  # DBP: buffers synced with the last update first
+            if not self.semi_async:
+                runtime.exchange_routed(len(keys[0]))  # DBP: buffers synced with the last update first
             for i, mb in enumerate(micro):
-                if i + 1 < len(micro):
+                if i + 1 < len(micro) and not self.semi_async:
                     runtime.exchange_routed(len(keys[i + 1]))  # its embeddings travel while this one computes
                 loss = step_fn(mb["ids"], mb["timestamps"], mb["negatives"]) \
                     * (self.task.count_targets(mb["ids"]) / global_targets)
                 loss.backward()  # with FWP the sparse part of it goes on on the gradient thread
                 total = total + loss.detach()
             runtime.drain()
+            ahead = sum(len(mb) for mb in self._upcoming[2]) if self._upcoming else 0  # the next step's
+            if runtime.prefetched() != ahead:
+                raise RuntimeError(f"sparse pipeline: {runtime.prefetched() - ahead} prefetched lookups were never "
+                                   f"used (the forward made fewer lookups than were extracted ahead of it)")
         finally:
             runtime.defer_sparse_backward(False)
         return total
@@ -251,6 +259,10 @@ def setup_pipeline(task: nn.Module, config, parallel, optimizers: list, log) -> 
         return None, info
     pipeline.fewest_rows = lambda batch: min(len(rows) for rows in parallel.assignment(batch))
     info["running"] = config.pipeline + " (from the second step: the first one checks the extracted keys)"
+    if config.pipeline in STALE:
+        info["running"] += "; STALE: embeddings one step behind the synchronous training"
+        log(f"[grcompile.train] --pipeline {config.pipeline}: embeddings are one step STALE (TurboGR's semi-async); "
+            f"the training is not the synchronous one")
     return pipeline, info
 
 

@@ -248,3 +248,23 @@ def test_trainer_says_why_a_pipeline_is_declined():
     assert result["pipeline"] == {"requested": "fwp", "running": "sync",
                                   "reason": "there are no sharded tables to overlap (one process, no sparse runtime)"}
     assert any("--pipeline fwp declined, running sync" in line for line in lines)
+
+
+def test_semi_async_is_stale_but_trains_to_the_same_loss_within_noise():
+    """TurboGR's semi-async over 100 steps on 2 native ranks (Adam tables, which it allows): not the
+    synchronous training (the embeddings are one step old), labelled stale, and its loss over the
+    last 50 steps within one step-to-step standard deviation of the synchronous run's."""
+    import dataclasses
+
+    import numpy as np
+
+    from tests.train.test_distributed import BASE
+
+    base = dataclasses.replace(BASE, sharding="row", sparse_backend="native", sparse_optimizer="adam", steps=100,
+                               epochs=10)
+    results = run_on_ranks(_trainer_worker, 2, [("sync", base), ("semi", dataclasses.replace(base, pipeline="semi-async"))])[0]
+    sync, semi = np.array(results["sync"]["losses"]), np.array(results["semi"]["losses"])
+    assert "STALE" in results["semi"]["pipeline"]["running"]
+    assert np.abs(semi - sync).max() > 1e-6  # stale: not the synchronous numbers
+    noise = sync[-50:].std()
+    assert abs(semi[-50:].mean() - sync[-50:].mean()) < noise, (semi[-50:].mean(), sync[-50:].mean(), noise)
