@@ -429,12 +429,15 @@ class SparseRuntime:
         started = queue.popleft()
         f = self.plan.features[feature]
         flat = ids.reshape(-1).long()
-        kept = flat[flat != f.pad] if f.pad is not None else flat
+        valid = flat != f.pad if f.pad is not None else None
+        kept = flat[valid] if valid is not None else flat
         if not torch.equal(started.kept, kept):
             raise RuntimeError(
                 f"sparse pipeline: the forward looked up feature {feature!r} with other ids than the ones "
                 f"extracted ahead of it ({kept.numel()} vs {started.kept.numel()} valid ids); the model's lookup "
                 f"keys cannot be computed before its forward here: train with --pipeline sync")
+        # the same valid ids, maybe laid out otherwise (padded when extracted, packed by the jagged rewrite)
+        started.valid = valid
         if started in self._unexchanged:  # the forward came first: exchange in prefetch order up to it
             while self._unexchanged and started in self._unexchanged:
                 self.exchange_routed(1)

@@ -32,6 +32,24 @@ def test_extracted_keys_are_the_lookups_the_forward_makes():
         torch.testing.assert_close(flat[flat != pad], looked_up, rtol=0, atol=0)
 
 
+def test_a_lookup_prefetched_padded_is_taken_by_the_packed_lookup_the_jagged_rewrite_makes():
+    """Keys are extracted from the padded forward; compiled by grcompile, the lookup receives the
+    same valid ids packed ([T]): the prefetched lookup must serve it, laid out for [T]."""
+    task = make_task()
+    runtime = shard_embeddings(task)
+    ids, _, _ = length_mix(5)
+    feature = "encoder.item_embedding"
+    packed = ids[ids != 0]
+    expected = runtime.forward(feature, packed, keep_graph=False)
+    runtime.prefetch([(feature, ids)])
+    got = runtime.forward(feature, packed, keep_graph=False)
+    assert got.shape == (packed.numel(), 16) and runtime.prefetched() == 0
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    runtime.prefetch([(feature, ids)])
+    with pytest.raises(RuntimeError, match="other ids than the ones extracted ahead"):
+        runtime.forward(feature, packed[1:], keep_graph=False)
+
+
 class KeysFromEmbeddings(nn.Module):
     """Second lookup's ids chosen from the first lookup's values: unknowable ahead."""
 
@@ -268,3 +286,19 @@ def test_semi_async_is_stale_but_trains_to_the_same_loss_within_noise():
     assert np.abs(semi - sync).max() > 1e-6  # stale: not the synchronous numbers
     noise = sync[-50:].std()
     assert abs(semi[-50:].mean() - sync[-50:].mean()) < noise, (semi[-50:].mean(), sync[-50:].mean(), noise)
+
+
+@pytest.mark.slow
+def test_fwp_under_grcompile_where_lookups_receive_packed_ids():
+    """``--compile grcompile``: the jagged rewrite packs the ids before the lookup; FWP still takes
+    its prefetched lookups and trains like sync (2 native ranks, 6 steps)."""
+    import dataclasses
+
+    from tests.train.test_distributed import BASE, assert_same_training
+
+    base = dataclasses.replace(BASE, sharding="row", sparse_backend="native", sparse_optimizer="adagrad",
+                               sparse_lr=0.05, compile="grcompile", steps=6)
+    results = run_on_ranks(_trainer_worker, 2, [("sync", base),
+                                                ("fwp", dataclasses.replace(base, pipeline="fwp", micro_batches=2))])[0]
+    assert results["fwp"]["pipeline"]["reason"] is None
+    assert_same_training(results["fwp"], results["sync"])
