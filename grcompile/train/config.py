@@ -51,6 +51,7 @@ BOUNDS: dict[str, Bound] = {
     "num_negatives": Bound(int, 1),  # 0 negatives: a softmax over the positive alone, loss exactly 0
     "patience": Bound(int, 1), "eval_every": Bound(int, 1), "k_core": Bound(int, 0), "threads": Bound(int, 1),
     "hsp_group_size": Bound(int, 1), "checkpoint_every": Bound(int, 1), "micro_batches": Bound(int, 1),
+    "token_budget": Bound(float, 0, inclusive=False),
     # model_overrides / synthetic entries
     "dropout": Bound(float, 0, high=1), "embedding_dim": Bound(int, 1), "num_blocks": Bound(int, 1),
     "num_categories": Bound(int, 0), "num_users": Bound(int, 1), "num_items": Bound(int, 1),
@@ -113,6 +114,7 @@ class TrainConfig:
     pipeline: str = "sync"  # sync | fwp | dbp | dbp+fwp: same training; semi-async: stale (train/pipeline.py)
     micro_batches: int = 4  # fwp: micro-batches per step
     balance: str = "equal"  # rows to ranks: equal slices | tokens | cost (data/balance.py)
+    token_budget: float | None = None  # tokens per rank and step: batches cut by it, not batch_size (token_batching.py)
     synthetic: dict[str, Any] = field(default_factory=dict)  # SyntheticConfig overrides
     model_overrides: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides
 
@@ -139,6 +141,9 @@ class TrainConfig:
                              f"got {self.pipeline!r}")
         if self.balance not in ("equal", "tokens", "cost"):
             raise ValueError(f"TrainConfig.balance must be equal, tokens or cost, got {self.balance!r}")
+        if self.token_budget is not None and (self.pipeline != "sync" or self.balance != "equal"):
+            raise ValueError("TrainConfig.token_budget cuts every rank's batch itself: it goes with pipeline 'sync' "
+                             "and balance 'equal' (not combined yet)")
 
 
 # -- the sparse optimizer: the default of each setting, and the combinations that are refused -------

@@ -6,7 +6,8 @@ import math
 import os
 import signal
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -15,6 +16,7 @@ from tqdm import tqdm
 from models import SampledSoftmaxRetrieval, build_encoder
 
 from ..data import EvalLoader, TrainLoader, get_dataset
+from ..data.token_batching import TokenBudgetLoader
 from . import checkpoint
 from .config import TrainConfig, resolve_sparse_optimizer
 from .metrics import evaluate
@@ -51,8 +53,7 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
     log = log if leader else (lambda *a, **k: None)
     progress = progress and leader
     max_len = encoder.config.max_len
-    loader = TrainLoader(split.train, config.batch_size, max_len, ds.num_items, config.num_negatives, config.seed,
-                         per_position=config.negatives == "per-position")
+    loader = _train_loader(config, split, ds, max_len, parallel)
     valid_loader = EvalLoader(split.valid, config.eval_batch_size, max_len)
     test_loader = EvalLoader(split.test, config.eval_batch_size, max_len)
     optimizers = make_optimizers(task, config, parallel)
@@ -86,9 +87,7 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         else:
             saved = checkpoint.load(checkpoint_dir)
             check_config(saved, saved["resumed"].path)
-            task.load_state_dict(saved["model"])
-            for opt, sd in zip(optimizers, saved["optimizers"]):
-                opt.load_state_dict(sd)
+            parallel.load_local_checkpoint(task, optimizers, saved)
         if saved["rng"] is not None:
             torch.set_rng_state(saved["rng"])
         state = saved["state"]
@@ -104,7 +103,7 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         if parallel.distributed:
             save_distributed(checkpoint_dir, parallel, task, optimizers, extra)
         else:
-            checkpoint.save(checkpoint_dir, dict(model=task.state_dict(), optimizers=[o.state_dict() for o in optimizers],
+            checkpoint.save(checkpoint_dir, dict(**parallel.local_checkpoint(task, optimizers),
                                                  rng=torch.get_rng_state(), **extra))
 
     timing = StepTiming(parallel)
@@ -115,26 +114,25 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         stop_reason = "steps"  # a resumed run that is already there: evaluate only
     while state["epoch"] < config.epochs and stop_reason == "epochs":
         epoch = state["epoch"]
-        bar = tqdm(_with_next(loader.iterate(epoch, state["step_in_epoch"])), total=len(loader),
+        bar = tqdm(_with_next(_steps(loader, parallel, task, epoch, state["step_in_epoch"])), total=len(loader),
                    initial=state["step_in_epoch"], desc=f"epoch {epoch}", disable=not progress, mininterval=2.0,
                    leave=False)
         epoch_start, epoch_tokens, stopped = time.perf_counter(), 0, False
-        for batch, next_batch in bar:
+        for step, next_step in bar:
             if fail_at_step is not None and state["global_step"] == fail_at_step and parallel.rank == parallel.world - 1:
                 os.kill(os.getpid(), signal.SIGKILL)  # a rank dies mid-run, no goodbye
             timing.begin()
             parallel.begin_step()
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
-            local = parallel.local(batch)
+            batch, local = step.batch, step.local
             if pipeline is not None and pipeline_info["verified"]:
-                upcoming = (next_batch, parallel.local(next_batch)) if next_batch is not None else None
+                upcoming = (next_step.batch, next_step.local) if next_step is not None else None
                 loss = pipeline.step(step_fn, batch, local, upcoming)
             else:
                 def forward_backward() -> None:
                     nonlocal loss
-                    loss = step_fn(local["ids"], local["timestamps"], local["negatives"]) \
-                        * parallel.loss_weight(task, batch, local)
+                    loss = step_fn(local["ids"], local["timestamps"], local["negatives"]) * step.weight
                     loss.backward()
 
                 if pipeline is None:
@@ -149,7 +147,7 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
             for opt in optimizers:
                 opt.step()
             timing.end()
-            tokens = int((batch["ids"] != 0).sum())
+            tokens = step.tokens
             epoch_tokens += tokens
             state["valid_tokens"] += tokens
             state["losses"].append(parallel.global_loss(loss))
@@ -216,6 +214,7 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         "train_minutes": state["train_seconds"] / 60,
         "minutes_per_epoch": state["train_seconds"] / 60 / max(epochs_done, 1e-9),
         "tokens_per_s": state["valid_tokens"] / max(state["train_seconds"], 1e-9),
+        "train_tokens": state["valid_tokens"],  # valid tokens trained on (all ranks)
         "compile_mode": describe_mode(step_fn),
         "pipeline": {k: v for k, v in pipeline_info.items() if k != "verified"},
         "step_time_ms": timing.summary(),
@@ -226,6 +225,41 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
     if parallel.distributed:
         result["sparse_stats"] = train_stats
     return result
+
+
+@dataclass
+class _Step:
+    batch: Optional[dict]  # the global batch (None with token budgets: every rank has its own)
+    local: dict  # this rank's batch
+    weight: float  # its mean loss times this is its share of the global mean
+    tokens: int  # valid tokens of the step, all ranks
+
+
+def _train_loader(config: TrainConfig, split, ds, max_len: int, parallel):
+    per_position = config.negatives == "per-position"
+    if config.token_budget is None:
+        return TrainLoader(split.train, config.batch_size, max_len, ds.num_items, config.num_negatives, config.seed,
+                           per_position=per_position)
+    return _TokenBudget(split.train, parallel.world, max_len, ds.num_items, token_budget=config.token_budget,
+                        num_negatives=config.num_negatives, seed=config.seed, per_position=per_position)
+
+
+class _TokenBudget(TokenBudgetLoader):
+    def __len__(self) -> int:
+        return self.steps(0)  # for progress and epoch fractions: steps vary a little per epoch
+
+
+def _steps(loader, parallel, task, epoch: int, start: int):
+    """The steps of ``epoch`` from ``start``: row-count batches sliced (or balanced) per rank, or
+    token-budget batches cut per rank (MTGRBoost Alg. 1, ``data/token_batching.py``)."""
+    if isinstance(loader, TokenBudgetLoader):
+        for step in loader.iterate(epoch, start):
+            yield _Step(None, step.batches[parallel.rank], float(step.weights[parallel.rank]),
+                        sum(int((b["ids"] != 0).sum()) for b in step.batches))
+        return
+    for batch in loader.iterate(epoch, start):
+        local = parallel.local(batch)
+        yield _Step(batch, local, parallel.loss_weight(task, batch, local), int((batch["ids"] != 0).sum()))
 
 
 def _with_next(batches):
@@ -242,7 +276,7 @@ def _resume_key(config: TrainConfig) -> dict[str, Any]:
     """The config minus the fields a resumed run may change (where to stop, how the same step is run)."""
     key = config.to_dict()
     key["pipeline"] = "stale" if config.pipeline in STALE else "synchronous"  # the exact schedules are one algorithm
-    for field in ("epochs", "steps", "max_minutes", "threads", "sharding", "dedup", "checkpoint_every",
-                  "sparse_optimizer_reason", "micro_batches", "balance"):
+    for field in ("epochs", "steps", "max_minutes", "threads", "sharding", "hsp_group_size", "dedup",
+                  "checkpoint_every", "sparse_optimizer_reason", "micro_batches", "balance"):
         key.pop(field)
     return key
