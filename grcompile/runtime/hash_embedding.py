@@ -234,6 +234,69 @@ class DynamicEmbedding(nn.Module):
         self._reported_blocks = len(self.blocks)
         return fresh
 
+    # ------------------------------------------------------------------ checkpoints
+    @torch.no_grad()
+    def export_rows(self) -> dict:
+        """What a checkpoint keeps of the table, per live id (sorted): ``ids``, ``values`` [n, D],
+        ``adagrad`` [n] (the row-wise accumulator; None when no row has one yet), ``counts``,
+        ``last_seen``, and the step clock ``step``. Independent of where the rows happen to lie
+        (blocks, free list, key-table capacity): ``load_rows`` rebuilds a table from it, on any rank."""
+        live = self.keys != EMPTY
+        ids, rows = self.keys[live], self.rows[live]
+        order = torch.argsort(ids)
+        ids, rows = ids[order], rows[order]
+        n = ids.numel()
+        values = self._gather(rows).detach().clone() if n else torch.zeros(0, self.dim, dtype=self.dtype)
+        adagrad = None
+        if any(getattr(b, "_grcompile_adagrad", None) is not None for b in self.blocks):
+            adagrad = torch.zeros(n, dtype=self.dtype)
+            block_of = rows // self.block_rows
+            for b in torch.unique(block_of).tolist():
+                state = getattr(self.blocks[b], "_grcompile_adagrad", None)
+                if state is not None:
+                    sel = block_of == b
+                    adagrad[sel] = state[rows[sel] % self.block_rows]
+        return {"ids": ids, "values": values, "adagrad": adagrad, "counts": self.counts[rows].clone(),
+                "last_seen": self.last_seen[rows].clone(), "step": self.step}
+
+    @torch.no_grad()
+    def load_rows(self, ids: torch.Tensor, values: torch.Tensor, *, adagrad: Optional[torch.Tensor] = None,
+                  counts: Optional[torch.Tensor] = None, last_seen: Optional[torch.Tensor] = None,
+                  step: int = 0) -> None:
+        """Replace the whole table by these ids (distinct) and their rows (``export_rows``'s fields):
+        rows ``0..n-1`` in the given order, no free rows, the key table as small as ``max_load`` allows
+        (never below the current capacity). The value blocks are new parameters."""
+        n = ids.numel()
+        if values.shape != (n, self.dim):
+            raise ValueError(f"{self.name}: {n} ids need values of shape [{n}, {self.dim}], got {tuple(values.shape)}")
+        if n and torch.unique(ids).numel() != n:
+            raise ValueError(f"{self.name}: the ids to load are not distinct")
+        capacity = self.capacity
+        while n > self.max_load * capacity:
+            capacity *= 2
+        self.keys = torch.full((capacity,), EMPTY, dtype=torch.int64)
+        self.rows = torch.full((capacity,), EMPTY, dtype=torch.int64)
+        n_blocks = -(-n // self.block_rows)
+        self.blocks = nn.ParameterList()
+        for b in range(n_blocks):
+            block = torch.zeros(self.block_rows, self.dim, dtype=self.dtype)
+            part = values[b * self.block_rows:(b + 1) * self.block_rows]
+            block[:part.shape[0]] = part.to(self.dtype)
+            param = nn.Parameter(block)
+            if adagrad is not None:
+                state = torch.zeros(self.block_rows, dtype=self.dtype)
+                chunk = adagrad[b * self.block_rows:(b + 1) * self.block_rows]
+                state[:chunk.numel()] = chunk.to(self.dtype)
+                param._grcompile_adagrad = state
+            self.blocks.append(param)
+        self._reported_blocks = 0
+        self.free_rows = []
+        self.next_row = self.size = n
+        self.counts = counts.clone().long() if counts is not None else torch.zeros(n, dtype=torch.int64)
+        self.last_seen = last_seen.clone().long() if last_seen is not None else torch.zeros(n, dtype=torch.int64)
+        self.step = int(step)
+        self._place(ids.long().clone(), torch.arange(n, dtype=torch.int64))
+
     @torch.no_grad()
     def apply_gradients(self, lr: float, optimizer: str = "sgd", eps: float = 1e-8) -> None:
         """Fused row-wise update of the rows that got gradients (SGD or row-wise Adagrad)."""

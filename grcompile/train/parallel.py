@@ -24,8 +24,8 @@ import torch.nn as nn
 from ..runtime.features import find_sparse_features
 from ..runtime.dedup import LookupStats
 from ..runtime.features import FeatureConfig
-from ..runtime.sparse import DYNAMIC_ATTR, TABLES_ATTR, SparseRuntime, dense_parameters, shard_embeddings
-from . import checkpoint
+from ..runtime.sparse import DYNAMIC_ATTR, TABLES_ATTR, NativeTables, SparseRuntime, dense_parameters, shard_embeddings
+from . import checkpoint, sparse_checkpoint
 from .config import SPARSE_OPTIMIZERS, TrainConfig, sparse_optimizer_problem
 from .sparse_optim import ADAGRAD_EPS, RowWiseAdagrad
 
@@ -65,21 +65,21 @@ class Parallel:
             log(f"[grcompile.train] sharding plan: {runtime.tables.describe()}")
         cost: Any = "tokens"
         if config.balance == "cost":
-            from ..data.balance import SequenceCost
+            from ..bench.flops import sequence_cost
 
-            cost = SequenceCost.for_model(task.encoder.config, config.num_negatives)
+            cost = sequence_cost(task.encoder.config, config.num_negatives)
         return cls(world=world, rank=rank, runtime=runtime, distributed=True, balance=config.balance, cost=cost)
 
     def check_checkpointable(self) -> None:
-        """Fail at start, not at the first save: which sparse state a checkpoint can hold."""
-        if self.runtime is None:
+        """Fail at start, not at the first save: which sparse state a checkpoint can hold. Written:
+        TorchRec tables (DCP), native row-wise tables with or without HSP and dynamic hash tables (row
+        files, ``sparse_checkpoint.py``), the one-process tables (in ``state.pt``)."""
+        if self.runtime is None or not self.distributed:
             return
-        if self.runtime.dynamic is not None:
-            raise NotImplementedError("checkpoints of dynamic hash tables are not written yet "
-                                      "(--dynamic-tables with --checkpoint-dir)")
-        if self.distributed and not hasattr(self.runtime.tables, "dmp"):
-            raise NotImplementedError("distributed checkpoints are written for the TorchRec backend (sharded "
-                                      "tensors); --sparse-backend native has none yet")
+        tables = self.runtime.tables
+        if not (hasattr(tables, "dmp") or isinstance(tables, NativeTables) or not tables.plan.tables):
+            raise NotImplementedError(f"distributed checkpoints hold TorchRec or native sparse tables, not "
+                                      f"{type(tables).__name__}")
 
     def begin_step(self) -> None:
         if self.runtime is not None:
@@ -138,6 +138,32 @@ class Parallel:
         load_dense(task, snapshot["dense"])
         for name, weight in snapshot["tables"].items():
             self.runtime.tables.load_full(name, weight)
+
+    # -- one-process checkpoints (state.pt; distributed ones: save_distributed / load_distributed) ----
+    def local_checkpoint(self, task: nn.Module, optimizers: list) -> dict[str, Any]:
+        """The model and optimizers of a one-process run; dynamic hash tables as their rows
+        (``sparse_checkpoint.dynamic_payload``), not as value blocks that a fresh table lacks."""
+        dynamic = self.runtime.dynamic if self.runtime is not None else None
+        model = {k: v for k, v in task.state_dict().items() if not (dynamic is not None and k.startswith(DYNAMIC_ATTR))}
+        out = {"model": model, "optimizers": [o.state_dict() for o in optimizers]}
+        if dynamic is not None:
+            out["dynamic_tables"] = sparse_checkpoint.dynamic_payload(dynamic)
+        return out
+
+    def load_local_checkpoint(self, task: nn.Module, optimizers: list, saved: dict[str, Any]) -> None:
+        dynamic = self.runtime.dynamic if self.runtime is not None else None
+        if dynamic is None:
+            task.load_state_dict(saved["model"])
+        else:
+            if "dynamic_tables" not in saved:
+                raise ValueError(f"checkpoint {saved['resumed'].path} holds no dynamic hash tables")
+            missing, unexpected = task.load_state_dict(saved["model"], strict=False)
+            wrong = [k for k in [*missing, *unexpected] if not k.startswith(DYNAMIC_ATTR)]
+            if wrong:
+                raise ValueError(f"checkpoint does not match the model: differing keys {sorted(wrong)[:5]}")
+            sparse_checkpoint.load_dynamic(dynamic, [saved["dynamic_tables"]], origin=str(saved["resumed"].path))
+        for opt, sd in zip(optimizers, saved["optimizers"]):
+            opt.load_state_dict(sd)
 
     def sparse_stats(self) -> dict[str, int]:
         """Ids, bytes and rows through this rank's lookups so far (static + dynamic tables, HSP sync)."""
@@ -266,9 +292,13 @@ def load_dense(task: nn.Module, dense: dict[str, torch.Tensor]) -> None:
 DENSE = "dense.pt"
 
 
-def _sharded_state(parallel: Parallel) -> dict[str, Any]:
+def _sharded_state(parallel: Parallel) -> Optional[dict[str, Any]]:
+    """The TorchRec tables' state for DCP (None for the other backends: their rows go to the row
+    files of ``sparse_checkpoint.py``)."""
     parallel.check_checkpointable()
-    tables = parallel.runtime.tables
+    tables = parallel.runtime.tables if parallel.runtime is not None else None
+    if not hasattr(tables, "dmp"):
+        return None
     # Loaded in place: the local shards of these sharded tensors are views of the TBE weights and
     # optimizer states. A rank without a shard (table-wise) has empty containers, which DCP would
     # take for missing leaves: pruned.
@@ -288,11 +318,12 @@ def _rng_file(parallel: Parallel) -> str:
 
 def save_distributed(directory: str | os.PathLike, parallel: Parallel, task: nn.Module,
                      optimizers: list, extra: dict[str, Any], keep: int = checkpoint.KEEP) -> Path:
-    """One checkpoint per call: sharded tables + fused optimizer state through DCP (any later world
-    size or sharding can load them), the replicated dense part from rank 0, each rank's RNG. Every
-    rank hashes the files it wrote (its ``__<rank>_*.distcp`` shards, its RNG; rank 0 also DCP's
-    ``.metadata`` and ``dense.pt``); rank 0 writes the manifest of them all, then renames the
-    directory into place: never a torn or unverifiable checkpoint."""
+    """One checkpoint per call: TorchRec's sharded tables + fused optimizer state through DCP, the
+    native and dynamic tables as row files with their optimizer state (``sparse_checkpoint.py``) —
+    either loads on any later world size —, the replicated dense part from rank 0, each rank's RNG.
+    Every rank hashes the files it wrote (its ``__<rank>_*.distcp`` shards or row files, its RNG;
+    rank 0 also DCP's ``.metadata`` and ``dense.pt``); rank 0 writes the manifest of them all, then
+    renames the directory into place: never a torn or unverifiable checkpoint."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(directory)
@@ -301,13 +332,19 @@ def save_distributed(directory: str | os.PathLike, parallel: Parallel, task: nn.
     tmp = root / (name + ".tmp")
     if parallel.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed: stale shards
+        tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_sharded_state(parallel), checkpoint_id=str(tmp))
+    sharded = _sharded_state(parallel)
+    if sharded is not None:
+        dcp.save(sharded, checkpoint_id=str(tmp))
     torch.save(torch.get_rng_state(), tmp / _rng_file(parallel))
     written = [_rng_file(parallel), *sorted(p.name for p in tmp.glob(f"__{parallel.rank}_*.distcp"))]
+    written += sparse_checkpoint.save_rank_files(tmp, parallel.runtime, optimizers)
     if parallel.rank == 0:
-        torch.save({"model": dense_state(task), "optimizers": [o.state_dict() for o in optimizers], **extra}, tmp / DENSE)
-        written += [DENSE, ".metadata"]
+        torch.save({"model": dense_state(task),
+                    "optimizers": sparse_checkpoint.dense_optimizer_states(optimizers, parallel.runtime),
+                    sparse_checkpoint.LAYOUT_KEY: sparse_checkpoint.layout(parallel.runtime), **extra}, tmp / DENSE)
+        written += [DENSE] + ([".metadata"] if sharded is not None else [])
     per_rank: list[Any] = [None] * parallel.world
     dist.all_gather_object(per_rank, checkpoint.digests(tmp, written))
     if parallel.rank == 0:
@@ -354,10 +391,12 @@ def load_distributed(directory: str | os.PathLike, parallel: Parallel, task: nn.
     if check_config is not None:
         check_config(saved, resumed.path)
     state = _sharded_state(parallel)
-    dcp.load(state, checkpoint_id=str(resumed.path))
+    if state is not None:
+        dcp.load(state, checkpoint_id=str(resumed.path))
+    shard_entries = sparse_checkpoint.load_rank_files(resumed.path, saved.get(sparse_checkpoint.LAYOUT_KEY),
+                                                      parallel.runtime)
     load_dense(task, saved["model"])
-    for opt, sd in zip(optimizers, saved["optimizers"]):
-        opt.load_state_dict(sd)
+    sparse_checkpoint.load_optimizers(optimizers, saved["optimizers"], shard_entries)
     rng = resumed.path / _rng_file(parallel)
     saved["rng"] = checkpoint.torch_load(rng) if rng.exists() else None  # another world size: fresh streams
     saved["resumed"] = resumed

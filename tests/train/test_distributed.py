@@ -170,8 +170,3 @@ def test_bad_ids_fail_on_the_rank_before_any_collective_and_empty_lookups_work()
         assert "got values in [-3, 1]" in negative
         assert "encoder.item_embedding" in dtype and "int64" in dtype
 
-
-def test_checkpoints_refuse_what_they_cannot_hold(tmp_path):
-    dynamic = dataclasses.replace(BASE, dynamic_features=["encoder.category_embedding"], steps=1)
-    with pytest.raises(NotImplementedError, match="dynamic hash tables"):
-        train(dynamic, checkpoint_dir=str(tmp_path), progress=False, log=lambda *a: None)
