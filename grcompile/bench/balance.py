@@ -43,6 +43,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from grcompile.bench.flops import preset_sequence_cost
 from grcompile.data.balance import SequenceCost, assign_rows, equal_slices, imbalance
 from grcompile.data.stochastic_length import LoadBalancedStochasticLength, stochastic_length
 from grcompile.data.token_batching import plan_epoch
@@ -334,7 +335,7 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     lengths = synthetic_lengths(args.num_users, args.max_len, args.seed)
-    cost = SequenceCost.for_preset(args.model, args.preset, args.num_negatives, max_len=args.max_len)
+    cost = preset_sequence_cost(args.model, args.preset, args.num_negatives, max_len=args.max_len)
     kw = dict(seed=args.seed, max_len=args.max_len, alpha=args.alpha, gamma=args.gamma, warmup=args.warmup,
               recalibrate=args.recalibrate)
     plans = method_plans(lengths, args.world, args.batch_size, args.steps, cost, **kw)
@@ -351,7 +352,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  "(training FLOPs a*n + b*n^2); modelled, not timed",
     }
     if args.measure_steps:
-        small = SequenceCost.for_preset("hstu", "tiny", MEASURE_NEGATIVES, max_len=args.max_len, **MEASURE_MODEL)
+        small = preset_sequence_cost("hstu", "tiny", MEASURE_NEGATIVES, max_len=args.max_len, **MEASURE_MODEL)
         probe = sorted({n for n in (2, 16, 64, 128, 256, 512, 768, 1024, 1536, 2048, args.max_len) if n <= args.max_len})
         timed = TimedCost(probe, time_rows(args.max_len, probe, repeats=3))
         steps = args.measure_steps + 1  # the first step of each method is a warm-up

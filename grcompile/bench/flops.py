@@ -110,3 +110,17 @@ def sequence_cost_coefficients(config: Any, num_negatives: int) -> tuple[float, 
     f2 = training_flops(config, [2], num_negatives)
     b = (f2 - 2 * f1) / 2
     return float(f1 - b), float(b)
+
+
+def sequence_cost(config: Any, num_negatives: int = 128):
+    """``data.balance.SequenceCost`` of a ``ModelConfig`` (or its dict): training FLOPs per sequence."""
+    from ..data.balance import SequenceCost
+
+    return SequenceCost(*sequence_cost_coefficients(config, num_negatives))
+
+
+def preset_sequence_cost(model: str, preset: str, num_negatives: int = 128, **overrides: Any):
+    """``sequence_cost`` of ``models.make_config(model, preset, ...)`` (the item count does not enter)."""
+    from models import make_config
+
+    return sequence_cost(make_config(model, preset, 1, **overrides), num_negatives)

@@ -8,7 +8,7 @@ global batch, so every rank can compute the same assignment without communicatin
 How: longest-processing-time-first (LPT) list scheduling. Rows sorted by estimated cost, most
 expensive first (ties: lower row index first); each goes to the currently least-loaded rank
 (ties: lower rank). The cost of a row of ``n`` valid tokens is ``a·n + b·n²`` (``SequenceCost``;
-``SequenceCost.for_model`` takes ``a``, ``b`` from the analytic FLOPs of bench/flops.py), or
+``bench.flops.sequence_cost`` takes ``a``, ``b`` from the analytic FLOPs of bench/flops.py), or
 plain tokens (``a=1, b=0``). Guarantees (tested): every row exactly once; deterministic; the
 largest rank load is at most ``mean + (1 − 1/world)·max row`` (list scheduling) and at most 4/3 of
 the optimum (LPT, Graham 1969); and never above equal slicing's — where the equal row slices
@@ -43,20 +43,6 @@ class SequenceCost:
     @classmethod
     def tokens(cls) -> "SequenceCost":
         return cls(1.0, 0.0)
-
-    @classmethod
-    def for_model(cls, config: Any, num_negatives: int = 128) -> "SequenceCost":
-        """Training FLOPs per sequence of a ``ModelConfig`` (or its dict), from bench/flops.py."""
-        from ..bench.flops import sequence_cost_coefficients
-
-        return cls(*sequence_cost_coefficients(config, num_negatives))
-
-    @classmethod
-    def for_preset(cls, model: str, preset: str, num_negatives: int = 128, **overrides: Any) -> "SequenceCost":
-        """``for_model`` of ``models.make_config(model, preset, ...)`` (the item count does not enter)."""
-        from models import make_config
-
-        return cls.for_model(make_config(model, preset, 1, **overrides), num_negatives)
 
     def __call__(self, lengths: Any) -> np.ndarray:
         n = np.asarray(lengths, dtype=np.float64)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from grcompile.bench.flops import sequence_cost_coefficients, training_flops
+from grcompile.bench.flops import preset_sequence_cost, sequence_cost_coefficients, training_flops
 from grcompile.data.balance import (SequenceCost, assign_rows, equal_slices, imbalance, rank_loads,
                                     rebalance_local, row_lengths, select_rows)
 from grcompile.data.batching import pad_batch
@@ -32,7 +32,7 @@ def test_cost_coefficients_reproduce_training_flops(model):
     a, b = sequence_cost_coefficients(config, 128)
     for n in (0, 1, 7, 200, 2048):
         assert a * n + b * n * n == training_flops(config, [n], 128)
-    assert SequenceCost.for_preset(model, "small", 128, max_len=2048) == SequenceCost(a, b)
+    assert preset_sequence_cost(model, "small", 128, max_len=2048) == SequenceCost(a, b)
 
 
 # -- global token reallocation ------------------------------------------------------------------------
