@@ -71,8 +71,8 @@ def test_native_and_dynamic_resume_after_a_kill_and_reshard_into_hsp_replicas(tm
 
 
 def test_one_process_dynamic_tables_resume_exactly_and_fall_back_over_damage(tmp_path):
-    config = dataclasses.replace(BASE, dynamic_features=["encoder.category_embedding"], sparse_optimizer="rowwise_adagrad",
-                                 sparse_lr=0.05, steps=8, checkpoint_every=3)
+    config = dataclasses.replace(BASE, dynamic_features=["encoder.category_embedding"],
+                                 sparse_optimizer="rowwise_adagrad", sparse_lr=0.05, steps=8, checkpoint_every=3)
     quiet = dict(progress=False, log=lambda *a: None)
     uninterrupted = train(config, **quiet)
     ck = tmp_path / "ck"
