@@ -216,9 +216,16 @@ def load(directory: str | os.PathLike) -> dict[str, Any]:
         saved = torch_load(path)
         saved["resumed"] = Resumed(path, verified=False)
         return saved
-    saved, resumed = load_newest_good(root, verify, lambda path: torch_load(path / STATE))
+    saved, resumed = load_newest_good(root, verify, lambda path: torch_load(_written_by_one_process(path) / STATE))
     saved["resumed"] = resumed
     return saved
+
+
+def _written_by_one_process(path: Path) -> Path:
+    if not (path / STATE).exists() and (path / "dense.pt").exists():
+        raise ValueError(f"--resume: {path} was written by ranks (dense.pt and shards); one process resumes "
+                         f"from a one-process checkpoint only: resume it under torchrun")
+    return path
 
 
 # -- the config written into a checkpoint ------------------------------------------------------------

@@ -375,6 +375,15 @@ def _verify_collectively(parallel: Parallel, path: Path) -> Optional[list[str]]:
     return sorted({problem for p in per_rank if p for problem in p})
 
 
+def _written_by_ranks(path: Path) -> Path:
+    """``path``, unless it is a one-process checkpoint: that one cannot resume on ranks (a plain error,
+    not a damaged file to skip)."""
+    if not (path / DENSE).exists() and (path / checkpoint.STATE).exists():
+        raise ValueError(f"--resume: {path} was written by one process ({checkpoint.STATE}); a sharded run "
+                         f"resumes from checkpoints written by ranks only: resume it in one process")
+    return path
+
+
 def load_distributed(directory: str | os.PathLike, parallel: Parallel, task: nn.Module, optimizers: list,
                      check_config: Optional[Callable[[dict[str, Any], Path], None]] = None) -> dict[str, Any]:
     """Resume from the newest checkpoint whose files match their manifest (``checkpoint.py``: damaged
@@ -387,7 +396,7 @@ def load_distributed(directory: str | os.PathLike, parallel: Parallel, task: nn.
         if parallel.rank != 0:
             warnings.simplefilter("ignore", checkpoint.CheckpointWarning)
         saved, resumed = checkpoint.load_newest_good(root, lambda p: _verify_collectively(parallel, p),
-                                                     lambda p: checkpoint.torch_load(p / DENSE))
+                                                     lambda p: checkpoint.torch_load(_written_by_ranks(p) / DENSE))
     if check_config is not None:
         check_config(saved, resumed.path)
     state = _sharded_state(parallel)

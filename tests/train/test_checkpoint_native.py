@@ -157,3 +157,23 @@ def test_torchrec_tables_with_a_dynamic_table_resume_exactly_after_a_kill(tmp_pa
     assert got["resumed"]["losses"] == got["run"]["losses"]
     _same_evaluation(got["resumed"], got["run"])
     shutil.rmtree(ck)
+
+
+def test_a_checkpoint_from_the_other_kind_of_run_says_so(tmp_path):
+    """One process cannot resume a checkpoint written by ranks, nor ranks one written by one
+    process: the error says that, instead of calling a good checkpoint damaged."""
+    import torch
+
+    from grcompile.train import checkpoint
+    from grcompile.train.parallel import _written_by_ranks
+
+    ranks_dir = tmp_path / "ranks" / "step_3"
+    ranks_dir.mkdir(parents=True)
+    torch.save({}, ranks_dir / "dense.pt")
+    with pytest.warns(checkpoint.CheckpointWarning), pytest.raises(ValueError, match="written by ranks"):
+        checkpoint.load(tmp_path / "ranks")
+    one_dir = tmp_path / "one" / "step_3"
+    one_dir.mkdir(parents=True)
+    torch.save({}, one_dir / checkpoint.STATE)
+    with pytest.raises(ValueError, match="written by one process"):
+        _written_by_ranks(one_dir)
