@@ -42,7 +42,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-__all__ = ["sl_threshold", "sl_keep_probability", "stochastic_length", "LoadBalancedStochasticLength",
+__all__ = ["sl_threshold", "sl_keep_probability", "stochastic_length", "LoadBalancedStochasticLength", "lbsl_cut",
            "lbsl_local", "truncate_rows"]
 
 
@@ -171,6 +171,21 @@ def lbsl_local(lbsl: LoadBalancedStochasticLength, step: int, batch: dict[str, t
     lengths = row_lengths(batch["ids"], pad_id)
     kept = lbsl.lengths(step, [lengths[p.numpy()] for p in parts])
     return truncate_rows(select_rows(batch, parts[rank]), kept[rank], pad_id)
+
+
+def lbsl_cut(lbsl: LoadBalancedStochasticLength, step: int, batch: dict[str, torch.Tensor],
+             parts: Sequence[torch.Tensor], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """The whole global ``batch`` cut by LBSL (every rank's rows by its own load target; ``parts``:
+    row indices per rank). Every rank computes the same; ``select_rows`` of it for the rank's part
+    equals ``lbsl_local`` — and the global target count for the loss weights comes with it."""
+    from .balance import row_lengths
+
+    lengths = row_lengths(batch["ids"], pad_id)
+    kept = lbsl.lengths(step, [lengths[p.numpy()] for p in parts])
+    keep = np.zeros(len(lengths), dtype=np.int64)
+    for rows, k in zip(parts, kept):
+        keep[rows.numpy()] = k
+    return truncate_rows(batch, keep, pad_id)
 
 
 def truncate_rows(batch: dict[str, torch.Tensor], keep: Any, pad_id: int = 0) -> dict[str, torch.Tensor]:

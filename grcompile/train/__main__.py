@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--token-budget", type=argparse_type("token_budget"), default=None,
                    help="cut each rank's batches by this many tokens instead of --batch-size rows (MTGRBoost's "
                         "token-aware batching; loss weights keep the global mean exact)")
+    d.add_argument("--lbsl", action="store_true",
+                   help="ULTRA-HSTU's load-balanced stochastic length: long sequences cut at random, each rank to a "
+                        "load target Σ n^1.5 (changes the data, as SL does; docs/load-balancing.md)")
     d.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection (tests)
     return p
 
@@ -122,7 +125,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        dense_optimizer=args.optimizer, sparse_optimizer=args.sparse_optimizer, sparse_lr=args.sparse_lr,
                        checkpoint_every=args.checkpoint_every, model_overrides=overrides,
                        pipeline=args.pipeline, micro_batches=args.micro_batches, balance=args.balance,
-                       token_budget=args.token_budget,
+                       token_budget=args.token_budget, lbsl=args.lbsl,
                        dynamic_features=[m for m in args.dynamic_tables.split(",") if m])
     try:
         return resolve_sparse_optimizer(config)  # before any process group: a refused combination fails at once

@@ -115,6 +115,7 @@ class TrainConfig:
     micro_batches: int = 4  # fwp: micro-batches per step
     balance: str = "equal"  # rows to ranks: equal slices | tokens | cost (data/balance.py)
     token_budget: float | None = None  # tokens per rank and step: batches cut by it, not batch_size (token_batching.py)
+    lbsl: bool = False  # ULTRA-HSTU's load-balanced stochastic length: cuts long sequences (stochastic_length.py)
     synthetic: dict[str, Any] = field(default_factory=dict)  # SyntheticConfig overrides
     model_overrides: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides
 
@@ -141,6 +142,8 @@ class TrainConfig:
                              f"got {self.pipeline!r}")
         if self.balance not in ("equal", "tokens", "cost"):
             raise ValueError(f"TrainConfig.balance must be equal, tokens or cost, got {self.balance!r}")
+        if self.token_budget is not None and self.lbsl:
+            raise ValueError("TrainConfig.lbsl cuts the rows of a global batch; token_budget has none (not combined)")
         if self.token_budget is not None and (self.pipeline != "sync" or self.balance != "equal"):
             raise ValueError("TrainConfig.token_budget cuts every rank's batch itself: it goes with pipeline 'sync' "
                              "and balance 'equal' (not combined yet)")

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from models import SampledSoftmaxRetrieval, build_encoder
 
 from ..data import EvalLoader, TrainLoader, get_dataset
+from ..data.stochastic_length import LoadBalancedStochasticLength, lbsl_cut
 from ..data.token_batching import TokenBudgetLoader
 from . import checkpoint
 from .config import TrainConfig, resolve_sparse_optimizer
@@ -68,6 +69,7 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
     log(f"[grcompile.train] sparse optimizer {config.sparse_optimizer}: {config.sparse_optimizer_reason}")
     pipeline, pipeline_info = setup_pipeline(task, config, parallel, optimizers, log)
 
+    lbsl = LoadBalancedStochasticLength(parallel.world, max_len, seed=config.seed) if config.lbsl else None
     state: dict[str, Any] = dict(epoch=0, step_in_epoch=0, global_step=0, losses=[], valid_history=[],
                                  best_metric=-math.inf, best_epoch=-1, best_state=None, bad_epochs=0,
                                  train_seconds=0.0, valid_tokens=0)
@@ -77,7 +79,9 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
             raise ValueError("--resume needs --checkpoint-dir")
 
         def check_config(saved: dict[str, Any], path) -> None:  # before any weight is loaded
-            differences = checkpoint.config_differences(saved.get("config", {}), _resume_key(config))
+            # fields newer than the checkpoint count as their defaults (what that run did)
+            written = {**_resume_key(TrainConfig()), **saved.get("config", {})}
+            differences = checkpoint.config_differences(written, _resume_key(config))
             if differences:
                 raise ValueError(f"--resume: the checkpoint {path} was written by a run with a different config: "
                                  + "; ".join(differences))
@@ -91,6 +95,8 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         if saved["rng"] is not None:
             torch.set_rng_state(saved["rng"])
         state = saved["state"]
+        if lbsl is not None:
+            lbsl.load_state_dict(state["lbsl"])
         resumed = saved["resumed"]
         log(f"[grcompile.train] resumed at epoch {state['epoch']} step {state['step_in_epoch']} from {resumed.path}"
             + ("" if resumed.verified else " (unverified: no checksums)")
@@ -114,7 +120,8 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         stop_reason = "steps"  # a resumed run that is already there: evaluate only
     while state["epoch"] < config.epochs and stop_reason == "epochs":
         epoch = state["epoch"]
-        bar = tqdm(_with_next(_steps(loader, parallel, task, epoch, state["step_in_epoch"])), total=len(loader),
+        bar = tqdm(_with_next(_steps(loader, parallel, task, epoch, state["step_in_epoch"], lbsl,
+                                     state["global_step"])), total=len(loader),
                    initial=state["step_in_epoch"], desc=f"epoch {epoch}", disable=not progress, mininterval=2.0,
                    leave=False)
         epoch_start, epoch_tokens, stopped = time.perf_counter(), 0, False
@@ -153,6 +160,8 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
             state["losses"].append(parallel.global_loss(loss))
             state["global_step"] += 1
             state["step_in_epoch"] += 1
+            if lbsl is not None:  # what the next step starts from (the lookahead may have drawn it already)
+                state["lbsl"] = next_step.lbsl_before if next_step is not None else lbsl.state_dict()
             bar.set_postfix(loss=f"{state['losses'][-1]:.4f}",
                             tok_s=f"{epoch_tokens / max(time.perf_counter() - epoch_start, 1e-9):.0f}", refresh=False)
             if config.steps is not None and state["global_step"] >= config.steps:
@@ -233,6 +242,7 @@ class _Step:
     local: dict  # this rank's batch
     weight: float  # its mean loss times this is its share of the global mean
     tokens: int  # valid tokens of the step, all ranks
+    lbsl_before: Optional[dict] = None  # LBSL's state before this step (checkpoints)
 
 
 def _train_loader(config: TrainConfig, split, ds, max_len: int, parallel):
@@ -249,17 +259,22 @@ class _TokenBudget(TokenBudgetLoader):
         return self.steps(0)  # for progress and epoch fractions: steps vary a little per epoch
 
 
-def _steps(loader, parallel, task, epoch: int, start: int):
+def _steps(loader, parallel, task, epoch: int, start: int, lbsl=None, global_step: int = 0):
     """The steps of ``epoch`` from ``start``: row-count batches sliced (or balanced) per rank, or
-    token-budget batches cut per rank (MTGRBoost Alg. 1, ``data/token_batching.py``)."""
+    token-budget batches cut per rank (MTGRBoost Alg. 1, ``data/token_batching.py``); with
+    ``lbsl`` the global batch's sequences are cut first (ULTRA-HSTU's LBSL, every rank alike)."""
     if isinstance(loader, TokenBudgetLoader):
         for step in loader.iterate(epoch, start):
             yield _Step(None, step.batches[parallel.rank], float(step.weights[parallel.rank]),
                         sum(int((b["ids"] != 0).sum()) for b in step.batches))
         return
-    for batch in loader.iterate(epoch, start):
+    for offset, batch in enumerate(loader.iterate(epoch, start)):
+        before = None
+        if lbsl is not None:
+            before = lbsl.state_dict()
+            batch = lbsl_cut(lbsl, global_step + offset, batch, parallel.assignment(batch))
         local = parallel.local(batch)
-        yield _Step(batch, local, parallel.loss_weight(task, batch, local), int((batch["ids"] != 0).sum()))
+        yield _Step(batch, local, parallel.loss_weight(task, batch, local), int((batch["ids"] != 0).sum()), before)
 
 
 def _with_next(batches):
