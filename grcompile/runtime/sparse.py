@@ -184,7 +184,7 @@ class NativeTables(Tables):
                 tables[name] = ShardedEmbedding(t.num_rows, t.dim, name=name, dedup=mode,
                                                 full_weight=torch.zeros(t.num_rows, t.dim, dtype=t.dtype))
         self.tables = nn.ModuleDict(tables)
-        self.hsp = bool(group_size)
+        self.hsp, self.group_size = bool(group_size), group_size
         self.sync_bytes = 0  # HSP: gradient rows sent across groups
         self.grad_group = None  # open_gradient_channel
 
@@ -192,10 +192,18 @@ class NativeTables(Tables):
         return self._counted(self.tables[table], rows)
 
     def open_gradient_channel(self) -> None:
-        if self.grad_group is None:
+        if self.grad_group is not None:
+            return
+        if self.hsp:  # the lookups' all-to-alls run inside this rank's group: so do their gradients
+            world, rank, size = dist.get_world_size(), dist.get_rank(), self.group_size
+            for g in range(world // size):
+                group = dist.new_group(list(range(g * size, (g + 1) * size)), backend="gloo")
+                if rank // size == g:
+                    self.grad_group = group
+        else:
             self.grad_group = dist.new_group(backend="gloo")
-            for name in self.tables:
-                self._shard(name).grad_group = self.grad_group
+        for name in self.tables:
+            self._shard(name).grad_group = self.grad_group
 
     def start_lookup(self, table: str, rows: torch.Tensor):
         return self.route_lookup(table, rows, buffered=False).exchange()

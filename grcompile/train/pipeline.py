@@ -115,9 +115,8 @@ class SparsePipeline:
         # the fewest rows a rank gets of a global batch (equal slices unless the trainer balances)
         self.fewest_rows: Callable[[Batch], int] = lambda batch: batch["ids"].shape[0] // world
 
-    @staticmethod
-    def check_runtime(runtime: Optional[SparseRuntime]) -> None:
-        """Raise ``PipelineUnsupported`` where the frozen window cannot hold."""
+    def check_runtime(self, runtime: Optional[SparseRuntime]) -> None:
+        """Raise ``PipelineUnsupported`` where the schedule cannot hold."""
         if runtime is None:
             raise PipelineUnsupported("there are no sharded tables to overlap (one process, no sparse runtime)")
         if runtime.dynamic is not None:
@@ -126,8 +125,10 @@ class SparsePipeline:
         if not hasattr(runtime.tables, "_shard"):
             raise PipelineUnsupported("the frozen window needs the update after the last micro-batch; TorchRec's "
                                       "fused optimizer updates in every backward (use --sparse-backend native)")
-        if getattr(runtime.tables, "hsp", False):
-            raise PipelineUnsupported("FWP with hierarchical sparse parallelism (--hsp-group-size) is not built")
+        if getattr(runtime.tables, "hsp", False) and (self.dbp or self.semi_async):
+            raise PipelineUnsupported("with hierarchical sparse parallelism (--hsp-group-size) other groups' gradients "
+                                      "update a shard's rows too, so a prefetched row's freshness is not known "
+                                      "locally: use --pipeline fwp")
 
     def check_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """DBP refreshes the prefetched rows the last step read: the optimizer must move no other
@@ -251,7 +252,7 @@ def setup_pipeline(task: nn.Module, config, parallel, optimizers: list, log) -> 
     pipeline = SparsePipeline(task, parallel.runtime, config.micro_batches, schedule=config.pipeline,
                               world=parallel.world)
     try:
-        SparsePipeline.check_runtime(parallel.runtime)
+        pipeline.check_runtime(parallel.runtime)
         pipeline.check_optimizers(optimizers)
     except PipelineUnsupported as e:
         info["reason"] = str(e)

@@ -123,9 +123,9 @@ def _batches(world: int):
     return out
 
 
-def _train(rank: int, world: int, schedule: str, optimizer: str, dedup: str) -> dict:
+def _train(rank: int, world: int, schedule: str, optimizer: str, dedup: str, group_size=None) -> dict:
     task = make_task()
-    runtime = shard_embeddings(task, backend="native", dedup=dedup, sharding="row")
+    runtime = shard_embeddings(task, backend="native", dedup=dedup, sharding="row", group_size=group_size)
     params = list(task.parameters())
     opt = torch.optim.Adagrad(params, lr=0.05) if optimizer == "adagrad" else torch.optim.Adam(params, lr=0.01)
     pipelined = schedule.removeprefix("stale-")
@@ -162,6 +162,7 @@ def _train(rank: int, world: int, schedule: str, optimizer: str, dedup: str) -> 
             upcoming = (batches[step + 1], local_of(batches[step + 1])) if step + 1 < len(batches) else None
             loss = pipeline.step(task, batch, local, upcoming)
         if schedule != "unfrozen":
+            runtime.after_backward()  # HSP's cross-group gradient sum (nothing otherwise)
             _all_reduce_dense(task)
             opt.step()
         total = loss.clone()
@@ -182,8 +183,8 @@ def _all_reduce_dense(task) -> None:
 SCHEDULES = ("sync", "fwp", "dbp", "dbp+fwp", "unfrozen", "stale-dbp")
 
 
-def _schedules(rank: int, world: int, optimizer: str, dedup: str, schedules=SCHEDULES) -> dict:
-    return {s: _train(rank, world, s, optimizer, dedup) for s in schedules}
+def _schedules(rank: int, world: int, optimizer: str, dedup: str, schedules=SCHEDULES, group_size=None) -> dict:
+    return {s: _train(rank, world, s, optimizer, dedup, group_size) for s in schedules}
 
 
 def _assert_same_training(run, sync):
@@ -213,6 +214,15 @@ def test_pipelines_on_two_ranks_train_exactly_like_the_synchronous_step():
 @pytest.mark.slow
 def test_fwp_with_adam_and_no_dedup_on_four_ranks():
     results = run_on_ranks(_schedules, 4, "adam", "none", ("sync", "fwp"))
+    for r in results.values():
+        _assert_same_training(r["fwp"], r["sync"])
+
+
+@pytest.mark.slow
+def test_fwp_with_hierarchical_sparse_parallelism_on_four_ranks():
+    """HSP groups of 2: the lookups' and gradients' all-to-alls stay inside a group (the gradient
+    channel too), the cross-group sum runs once after the last micro-batch."""
+    results = run_on_ranks(_schedules, 4, "adagrad", "two_stage", ("sync", "fwp"), 2)
     for r in results.values():
         _assert_same_training(r["fwp"], r["sync"])
 
