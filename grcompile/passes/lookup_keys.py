@@ -12,7 +12,9 @@ ids in graph order, plus the feature each belongs to. Inputs are kept as they ar
 convention as the traced graph).
 Declines — returns a sentence instead of a graph — when a lookup's ids depend on another lookup's
 output (keys chosen from embeddings cannot be known ahead of the lookup), on a random op (computed
-ahead, they would draw other numbers than in the forward), or when there is no lookup at all.
+ahead, they would draw other numbers than in the forward), on an input the forward writes (a
+buffer updated in place), or when there is no lookup at all. ``reads`` says which inputs the keys
+come from (a schedule that extracts a whole step ahead must not read parameters).
 Invariant: for the same inputs, parameters and buffers, the extracted graph computes exactly the
 ids the forward's lookups receive, in the forward's order.
 """
@@ -30,6 +32,7 @@ SPARSE_LOOKUP = "grcompile::sparse_lookup"
 class LookupKeys:
     graph: fx.GraphModule  # same inputs as the traced graph; returns the ids of each lookup
     features: list[str]  # the feature of each returned ids tensor
+    reads: set[int]  # positions of the (flattened) inputs the ids are computed from
 
 
 def _is_lookup(node: fx.Node) -> bool:
@@ -46,6 +49,9 @@ def extract_lookup_keys(gm: fx.GraphModule) -> LookupKeys | str:
     lookups = [n for n in gm.graph.nodes if _is_lookup(n)]
     if not lookups:
         return "the model makes no sparse lookup"
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    mutated = {n.args[0] for n in gm.graph.nodes  # functionalized: an input written is a copy_ into it
+               if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and n.args[0] in placeholders}
     keep: set[fx.Node] = set()
     stack = [n.args[0] for n in lookups]
     while stack:
@@ -56,6 +62,9 @@ def extract_lookup_keys(gm: fx.GraphModule) -> LookupKeys | str:
             return f"the ids of a lookup are computed from the embeddings of feature {node.args[3]!r}"
         if _is_random(node):
             return f"the ids of a lookup depend on a random op ({node.target}): computed ahead they would differ"
+        if node in mutated:
+            return f"the ids of a lookup depend on state the forward changes (input {node.name}): computed ahead " \
+                   f"they would be the old ones"
         keep.add(node)
         stack.extend(node.all_input_nodes)
     graph = gm.graph
@@ -71,7 +80,7 @@ def extract_lookup_keys(gm: fx.GraphModule) -> LookupKeys | str:
         codegen.pytree_info = codegen.pytree_info._replace(out_spec=None)  # a plain list out
     graph.lint()
     gm.recompile()
-    return LookupKeys(gm, [n.args[3] for n in lookups])
+    return LookupKeys(gm, [n.args[3] for n in lookups], {i for i, n in enumerate(placeholders) if n in keep})
 
 
 __all__ = ["LookupKeys", "extract_lookup_keys"]

@@ -125,9 +125,12 @@ class ShardedEmbedding(nn.Module):
         return RoutedLookup(self, tuple(ids.shape), needed, back, buffer, order, inverse, send_split, recv_split)
 
     # -- which rows a step may have updated (DBP's buffer synchronisation) --------------------------
-    def track_updates(self) -> None:
+    def track_updates(self, enabled: bool = True) -> None:
         """From now on remember the rows each step reads: an optimizer that moves only rows with a
-        gradient (SGD, Adagrad) updates no others."""
+        gradient (SGD, Adagrad) updates no others. ``enabled=False``: stop (and forget)."""
+        if not enabled:
+            self._reads, self.updated = None, None
+            return
         self._reads: Optional[list[torch.Tensor]] = getattr(self, "_reads", None) or []
 
     def begin_step(self) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import itertools
 import math
 import threading
 import time
@@ -43,7 +44,7 @@ from .features import FeatureConfig, TablePlan, find_sparse_features, plan_table
 from .ids import require_int_ids
 from .lookup_op import register_runtime
 
-MAX_IN_FLIGHT = 32  # lookup graphs kept per feature while waiting for their backward
+MAX_IN_FLIGHT = 256  # lookup graphs kept per feature for a backward that has not come (a backstop)
 
 
 class Tables(nn.Module):
@@ -73,7 +74,7 @@ class Tables(nn.Module):
         rest (backends without a routing stage look up at ``exchange()``: always fresh)."""
         return _Deferred(lambda: self.start_lookup(table, rows))
 
-    def track_updates(self) -> None:
+    def track_updates(self, enabled: bool = True) -> None:
         """Remember which rows each step reads (``route_lookup`` buffers refresh those)."""
 
     def new_step(self) -> None:
@@ -215,9 +216,9 @@ class NativeTables(Tables):
         self._add_since(shard, before)
         return _CountedRoute(self, shard, routed)
 
-    def track_updates(self) -> None:
+    def track_updates(self, enabled: bool = True) -> None:
         for name in self.tables:
-            self._shard(name).track_updates()
+            self._shard(name).track_updates(enabled)
 
     def new_step(self) -> None:
         for name in self.tables:
@@ -315,7 +316,9 @@ class SparseRuntime:
         self.plan, self.tables, self.dedup, self.dynamic = plan, tables, dedup, dynamic
         self.max_in_flight = max_in_flight
         self._dynamic_grads_pending = False  # a dynamic lookup's backward ran; its fused update has not
-        self._update_queued = False  # the end-of-backward callback is queued in the running backward
+        self._queued_for_task: Optional[int] = None  # the backward pass whose end-of-pass callback is queued
+        self._lookup_seq = itertools.count()  # in-flight lookups in the order they were made
+        self._oldest_consumed: Optional[int] = None  # by the running backward pass
         self.dropped_lookups = 0  # lookup graphs released because their backward never came
         self._prefetched: dict[str, collections.deque] = {}
         self._unexchanged: collections.deque = collections.deque()  # routed-only prefetches, in order
@@ -426,9 +429,10 @@ class SparseRuntime:
         self._prefetched.clear()
         self._unexchanged.clear()
 
-    def track_updates(self) -> None:
-        """Remember the rows each step reads, to refresh prefetch buffers (DBP)."""
-        self.tables.track_updates()
+    def track_updates(self, enabled: bool = True) -> None:
+        """Remember the rows each step reads, to refresh prefetch buffers (DBP); ``False`` stops it
+        (an evaluation between steps would otherwise be remembered too)."""
+        self.tables.track_updates(enabled)
 
     def _take_prefetched(self, feature: str, ids: torch.Tensor) -> Optional["_StartedLookup"]:
         queue = self._prefetched.get(feature)
@@ -498,9 +502,10 @@ class SparseRuntime:
 
     def _backward(self, feature: str, ids: torch.Tensor, grad: torch.Tensor) -> None:
         pending = self._in_flight.get(feature, [])
-        for i, (saved_ids, values) in enumerate(pending):
+        for i, (seq, saved_ids, values) in enumerate(pending):
             if saved_ids.shape == ids.shape and torch.equal(saved_ids, ids):
                 del pending[i]
+                self._oldest_consumed = seq if self._oldest_consumed is None else min(self._oldest_consumed, seq)
                 break
         else:
             raise RuntimeError(f"feature {feature!r}: backward of a lookup that is not in flight "
@@ -518,14 +523,14 @@ class SparseRuntime:
             self._lookup_backward(feature, values, flat_grad)
         if f.dynamic:
             self._dynamic_grads_pending = True
-            self._queue_dynamic_update()
+        self._queue_end_of_backward()
 
     def _keep_in_flight(self, feature: str, ids: torch.Tensor, values: torch.Tensor) -> None:
         """Keep the lookup's graph for its backward, at most ``max_in_flight`` per feature: forwards
         in training mode whose backward never comes (metrics computed without ``torch.no_grad()``)
         would otherwise hold every graph they made."""
         pending = self._in_flight.setdefault(feature, [])
-        pending.append((ids.detach().clone(), values))
+        pending.append((next(self._lookup_seq), ids.detach().clone(), values))
         if len(pending) > self.max_in_flight:
             del pending[0]
             self.dropped_lookups += 1
@@ -536,19 +541,27 @@ class SparseRuntime:
                     f"Run forwards that need no gradient under torch.no_grad() or model.eval(), or pass a larger "
                     f"max_in_flight to shard_embeddings.", stacklevel=3)
 
-    def _queue_dynamic_update(self) -> None:
-        """Apply the dynamic tables' fused update once, when the running backward pass ends, so
-        ``loss.backward(); opt.step()`` trains them with nothing else to call."""
-        if self._update_queued:
+    def _queue_end_of_backward(self) -> None:
+        """Once per backward pass that reached a lookup, at its end: the dynamic tables' fused
+        update (so ``loss.backward(); opt.step()`` trains them with nothing else to call), and the
+        release of lookups made before the oldest one this pass consumed whose backward never came
+        (forwards whose loss was dropped) — a pass over several forwards' summed losses consumes
+        them all."""
+        task = torch._C._current_graph_task_id()
+        if task == self._queued_for_task:
             return
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         except RuntimeError:
             return  # not inside a backward pass (a direct runtime.backward call): after_backward() applies it
-        self._update_queued = True
+        self._queued_for_task = task  # keyed by pass: a pass that failed before its end leaves nothing stuck
 
     def _end_of_backward(self) -> None:
-        self._update_queued = False
+        self._queued_for_task = None
+        oldest, self._oldest_consumed = self._oldest_consumed, None
+        if oldest is not None:
+            for feature, pending in self._in_flight.items():
+                self._in_flight[feature] = [entry for entry in pending if entry[0] > oldest]
         self._apply_dynamic_update()
 
     def _apply_dynamic_update(self) -> None:
@@ -566,6 +579,7 @@ class SparseRuntime:
     def new_step(self) -> None:
         """Drop lookups whose backward never came (a forward under grad whose loss was not used)."""
         self._in_flight.clear()
+        self._queued_for_task, self._oldest_consumed = None, None
         self.tables.new_step()
 
     def in_flight(self) -> int:

@@ -21,7 +21,7 @@ from ..data.token_batching import TokenBudgetLoader
 from . import checkpoint
 from .config import TrainConfig, resolve_sparse_optimizer
 from .metrics import evaluate
-from .pipeline import STALE, setup_pipeline
+from .pipeline import PIPELINES, STALE, setup_pipeline
 from .parallel import Parallel, StepTiming, dense_state, load_distributed, make_optimizers, save_distributed
 
 
@@ -72,7 +72,7 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
     lbsl = LoadBalancedStochasticLength(parallel.world, max_len, seed=config.seed) if config.lbsl else None
     state: dict[str, Any] = dict(epoch=0, step_in_epoch=0, global_step=0, losses=[], valid_history=[],
                                  best_metric=-math.inf, best_epoch=-1, best_state=None, bad_epochs=0,
-                                 train_seconds=0.0, valid_tokens=0)
+                                 train_seconds=0.0, valid_tokens=0, world=parallel.world)
     torch.manual_seed(config.seed + 1_000_003 * parallel.rank)  # rank 0 keeps the one-process stream
     if resume:
         if checkpoint_dir is None:
@@ -80,7 +80,7 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
 
         def check_config(saved: dict[str, Any], path) -> None:  # before any weight is loaded
             # fields newer than the checkpoint count as their defaults (what that run did)
-            written = {**_resume_key(TrainConfig()), **saved.get("config", {})}
+            written = _resume_key({**_resume_key(TrainConfig()), **saved.get("config", {})})
             differences = checkpoint.config_differences(written, _resume_key(config))
             if differences:
                 raise ValueError(f"--resume: the checkpoint {path} was written by a run with a different config: "
@@ -95,6 +95,11 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         if saved["rng"] is not None:
             torch.set_rng_state(saved["rng"])
         state = saved["state"]
+        written_by = state.get("world", parallel.world)
+        if (config.lbsl or config.token_budget is not None) and written_by != parallel.world:
+            raise ValueError(f"--resume: the checkpoint was written by {written_by} ranks and this run has "
+                             f"{parallel.world}: with --lbsl / --token-budget the data of a step depends on the "
+                             f"number of ranks; resume with {written_by}")
         if lbsl is not None:
             lbsl.load_state_dict(state["lbsl"])
         resumed = saved["resumed"]
@@ -167,7 +172,7 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
             if config.steps is not None and state["global_step"] >= config.steps:
                 stop_reason, stopped = "steps", True
                 break
-            if config.max_minutes is not None and time.perf_counter() - started > 60 * config.max_minutes:
+            if config.max_minutes is not None and parallel.agree(time.perf_counter() - started > 60 * config.max_minutes):
                 stop_reason, stopped = "max_minutes", True
                 break
             if config.checkpoint_every and state["global_step"] % config.checkpoint_every == 0:
@@ -272,7 +277,9 @@ def _steps(loader, parallel, task, epoch: int, start: int, lbsl=None, global_ste
         before = None
         if lbsl is not None:
             before = lbsl.state_dict()
-            batch = lbsl_cut(lbsl, global_step + offset, batch, parallel.assignment(batch))
+            parts = parallel.assignment(batch)
+            batch = lbsl_cut(lbsl, global_step + offset, batch, parts)
+            parallel.pin_assignment(batch, parts)
         local = parallel.local(batch)
         yield _Step(batch, local, parallel.loss_weight(task, batch, local), int((batch["ids"] != 0).sum()), before)
 
@@ -287,11 +294,13 @@ def _with_next(batches):
         current = following
 
 
-def _resume_key(config: TrainConfig) -> dict[str, Any]:
-    """The config minus the fields a resumed run may change (where to stop, how the same step is run)."""
-    key = config.to_dict()
-    key["pipeline"] = "stale" if config.pipeline in STALE else "synchronous"  # the exact schedules are one algorithm
+def _resume_key(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:
+    """The config minus the fields a resumed run may change (where to stop, how the same step is
+    run); also of a key written by an older version (its extra fields dropped the same way)."""
+    key = dict(config) if isinstance(config, dict) else config.to_dict()
+    if key.get("pipeline") in PIPELINES:  # the exact schedules are one algorithm
+        key["pipeline"] = "stale" if key["pipeline"] in STALE else "synchronous"
     for field in ("epochs", "steps", "max_minutes", "threads", "sharding", "hsp_group_size", "dedup",
                   "checkpoint_every", "sparse_optimizer_reason", "micro_batches", "balance"):
-        key.pop(field)
+        key.pop(field, None)
     return key

@@ -39,6 +39,7 @@ class Parallel:
     seconds: dict[str, float] = field(default_factory=lambda: {"dense_all_reduce": 0.0, "hsp_sync": 0.0})
     balance: str = "equal"  # rows to ranks: equal | tokens | cost
     cost: Any = "tokens"  # balance's cost of a row (a SequenceCost for "cost")
+    _pinned: dict = field(default_factory=dict)  # id(batch ids) -> (ids, parts): pin_assignment
 
     @classmethod
     def setup(cls, task: nn.Module, config: TrainConfig, log=print) -> "Parallel":
@@ -88,12 +89,23 @@ class Parallel:
     # -- data -----------------------------------------------------------------------------------
     def assignment(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """Rows of the global batch per rank (every rank computes the same): equal slices, or the
-        greedy of ``data/balance.py`` on tokens or estimated cost (``balance``)."""
+        greedy of ``data/balance.py`` on tokens or estimated cost (``balance``), or what
+        ``pin_assignment`` fixed for this batch."""
         from ..data.balance import assign_rows, equal_slices, row_lengths
 
+        pinned = self._pinned.get(id(batch["ids"]))
+        if pinned is not None and pinned[0] is batch["ids"]:
+            return pinned[1]
         if self.balance == "equal":
             return equal_slices(batch["ids"].shape[0], self.world)
         return assign_rows(row_lengths(batch["ids"]), self.world, self.cost)
+
+    def pin_assignment(self, batch: dict[str, torch.Tensor], parts: list[torch.Tensor]) -> None:
+        """Use ``parts`` for ``batch`` (LBSL cuts a batch after assigning its rows: the cut batch
+        keeps the rows the load targets were set for). The last few batches are remembered."""
+        self._pinned[id(batch["ids"])] = (batch["ids"], parts)
+        while len(self._pinned) > 4:
+            del self._pinned[next(iter(self._pinned))]
 
     def local(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not self.distributed:
@@ -180,6 +192,15 @@ class Parallel:
             modules = dict(task.named_modules())
             return {f.name: modules[f.module].weight.detach().clone() for f in find_sparse_features(task)}
         return {name: self.runtime.full_weight(name) for name, f in self.runtime.plan.features.items() if not f.dynamic}
+
+    def agree(self, decision: bool) -> bool:
+        """``decision`` of any rank, on every rank (a time limit read on each rank's own clock must
+        stop them all at the same step, or their collectives would no longer pair)."""
+        if not self.distributed:
+            return decision
+        flag = torch.tensor([int(decision)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def global_loss(self, weighted_loss: torch.Tensor) -> float:
         value = weighted_loss.detach().clone()

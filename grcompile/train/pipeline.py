@@ -42,8 +42,8 @@ class KeyExtractor:
     """``extractor(*inputs) -> [(feature, ids), ...]``: the ids the forward's lookups will receive,
     in order, computed without running the model (traced on fake tensors once per input shape)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, *, step_ahead: bool = False) -> None:
+        self.model, self.step_ahead = model, step_ahead  # step_ahead: keys of the next step, before this update
         self._graphs: dict[tuple, object] = {}
 
     def _state(self) -> dict[str, torch.Tensor]:
@@ -63,6 +63,10 @@ class KeyExtractor:
                 raise PipelineUnsupported(f"the forward could not be traced to extract its lookup keys "
                                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
             keys = self._graphs[signature] = extract_lookup_keys(traced)
+            parameters = len(dict(self.model.named_parameters()))  # the state's leaves come first
+            if not isinstance(keys, str) and self.step_ahead and any(i < parameters for i in keys.reads):
+                keys = self._graphs[signature] = ("the ids of a lookup are computed from parameters: a step ahead "
+                                                  "they would come from the weights before the update")
         if isinstance(keys, str):
             raise PipelineUnsupported(keys)
         with torch.no_grad():
@@ -108,7 +112,7 @@ class SparsePipeline:
         self.fwp, self.dbp, self.semi_async = "fwp" in schedule, "dbp" in schedule, schedule == "semi-async"
         self.micro_batches = micro_batches if self.fwp else 1
         self.task, self.runtime, self.schedule, self.cluster, self.world = task, runtime, schedule, cluster, world
-        self.extract = KeyExtractor(task)
+        self.extract = KeyExtractor(task, step_ahead=self.dbp or self.semi_async)
         self.seconds = {"key_extraction": 0.0, "clustering": 0.0}
         self.unique_ids = {"clustered": 0, "unclustered": 0}
         self._upcoming: Optional[tuple[Batch, list[Batch], list, int]] = None  # DBP: the next step, routed
@@ -241,6 +245,7 @@ class SparsePipeline:
         self._upcoming = None
         if self.runtime is not None:
             self.runtime.discard_prefetched()
+            self.runtime.track_updates(False)  # a cold start routes afresh; no evaluation read is kept
 
 
 def setup_pipeline(task: nn.Module, config, parallel, optimizers: list, log) -> tuple[Optional[SparsePipeline], dict]:

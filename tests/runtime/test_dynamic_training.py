@@ -33,7 +33,7 @@ def test_readme_loop_trains_the_hash_table_exactly_once_per_backward(optimizer):
     runtime = shard_embeddings(task, features=features, fused_optimizer=fused)
     reference_task, _, _ = dynamic_task(optimizer)
     reference = shard_embeddings(reference_task, features=features, fused_optimizer=fused)
-    reference._queue_dynamic_update = lambda: None  # the reference applies it explicitly below
+    reference._queue_end_of_backward = lambda: None  # the reference applies it explicitly below
     opt = torch.optim.SGD([p for n, p in task.named_parameters() if "dynamic" not in n], lr=LR)
     ref_opt = torch.optim.SGD([p for n, p in reference_task.named_parameters() if "dynamic" not in n], lr=LR)
     for step in range(3):
@@ -82,3 +82,22 @@ def test_forwards_without_backward_do_not_accumulate_lookup_graphs():
         task(ids, ts, negatives).backward()  # the newest lookups are still there: trains normally
     with pytest.raises(ValueError, match="max_in_flight"):
         shard_embeddings(make_task(), features=features, max_in_flight=0)
+
+
+def test_lookups_of_dropped_losses_are_released_by_the_next_backward_and_summed_losses_work():
+    task, features, fused = dynamic_task()
+    runtime = shard_embeddings(task, features=features, fused_optimizer=fused)
+    batches = [length_mix(20 + k) for k in range(12)]
+    # twelve forwards summed into one backward (40+ lookups in flight): all of them consumed
+    sum(task(*b) for b in batches).backward()
+    assert runtime.in_flight() == 0 and runtime.dropped_lookups == 0
+    # a forward whose loss is dropped (metrics in training mode), then an ordinary step
+    task(*batches[0])
+    assert runtime.in_flight() > 0
+    task(*batches[1]).backward()
+    assert runtime.in_flight() == 0  # the dropped forward's lookups were released at the pass's end
+    # backward passes in the order of the forwards, each one's lookups still there
+    a, b = task(*batches[2]), task(*batches[3])
+    a.backward()
+    b.backward()
+    assert runtime.in_flight() == 0

@@ -134,3 +134,20 @@ def test_a_save_at_the_same_step_replaces_it_and_two_are_kept(tmp_path):
         checkpoint.save(tmp_path, {"state": {"global_step": step}, "value": step})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step_2", "step_3"]
     assert checkpoint.verify(tmp_path / "step_2") == [] and checkpoint.load(tmp_path)["value"] == 3
+
+
+def test_a_config_key_written_before_todays_fields_still_matches():
+    """A checkpoint's config key from an older version: it lacks the newer fields (pipeline, balance,
+    token budget, LBSL ...) and still has ones no longer compared (hsp_group_size): the same run."""
+    from grcompile.train import checkpoint as ckpt
+    from grcompile.train.config import TrainConfig
+    from grcompile.train.loop import _resume_key
+
+    config = TrainConfig(model="sasrec", steps=3)
+    old = {k: v for k, v in _resume_key(config).items()
+           if k not in ("pipeline", "micro_batches", "balance", "token_budget", "lbsl")}
+    old["hsp_group_size"] = None
+    written = _resume_key({**_resume_key(TrainConfig()), **old})
+    assert ckpt.config_differences(written, _resume_key(config)) == []
+    stale = _resume_key(TrainConfig(model="sasrec", pipeline="semi-async"))
+    assert ckpt.config_differences(written, stale) == ["pipeline: 'synchronous' in the checkpoint, 'stale' in this run"]

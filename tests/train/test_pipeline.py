@@ -73,8 +73,44 @@ class RandomKeys(nn.Module):
         return self.items(dropped).sum()
 
 
+class KeysFromAMutatedBuffer(nn.Module):
+    """A per-item counter updated in forward picks the ids: computed ahead, they would be the old ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.items = nn.Embedding(10, 4, padding_idx=0)
+        self.register_buffer("seen", torch.zeros(10, dtype=torch.long))
+
+    def forward(self, ids):
+        self.seen.add_(1)
+        return self.items((ids + self.seen[ids]) % 9 + 1).sum()
+
+
+class KeysFromParameters(nn.Module):
+    """Ids bucketed by a learned threshold: fine within a step (FWP), stale a step ahead (DBP)."""
+
+    def __init__(self):
+        super().__init__()
+        self.items = nn.Embedding(10, 4, padding_idx=0)
+        self.threshold = nn.Parameter(torch.tensor(3.0))
+
+    def forward(self, ids):
+        return self.items(torch.where(ids.float() > self.threshold, ids, 1)).sum()
+
+
+def test_keys_from_parameters_are_fine_within_a_step_but_not_a_step_ahead():
+    m = KeysFromParameters()
+    shard_embeddings(m)
+    ids = torch.randint(1, 9, (2, 3))
+    (feature, keys), = KeyExtractor(m)(ids)
+    torch.testing.assert_close(keys, torch.where(ids > 3, ids, 1))
+    with pytest.raises(PipelineUnsupported, match="computed from parameters"):
+        KeyExtractor(m, step_ahead=True)(ids)
+
+
 @pytest.mark.parametrize("model, reason", [(KeysFromEmbeddings, "computed from the embeddings of feature 'items'"),
-                                           (RandomKeys, "random op")])
+                                           (RandomKeys, "random op"),
+                                           (KeysFromAMutatedBuffer, "state the forward changes")])
 def test_keys_that_cannot_be_known_ahead_are_declined_with_a_reason(model, reason):
     m = model()
     shard_embeddings(m)
@@ -376,3 +412,19 @@ def test_lbsl_cuts_tokens_trains_and_resumes_exactly(tmp_path):
         run_on_ranks(_lbsl_worker, 2, lbsl, str(tmp_path), 7)
     resumed = run_on_ranks(_lbsl_worker, 2, lbsl, str(tmp_path), None)[0]
     assert resumed["losses"] == uninterrupted["losses"]
+
+
+def test_a_batch_cut_by_lbsl_keeps_the_rows_its_load_targets_were_set_for():
+    """``--lbsl --balance tokens``: rows are assigned on the uncut batch; the cut batch must go to the
+    same ranks (re-assigning it on the cut lengths would hand ranks rows planned for others)."""
+    from grcompile.data.stochastic_length import LoadBalancedStochasticLength, lbsl_cut
+    from grcompile.train.parallel import Parallel
+
+    parallel = Parallel(world=2, rank=0, distributed=True, balance="tokens")
+    ids, ts, negatives = length_mix(7, B=12)
+    batch = {"ids": ids, "timestamps": ts, "negatives": negatives}
+    parts = parallel.assignment(batch)
+    cut = lbsl_cut(LoadBalancedStochasticLength(2, N, warmup_steps=1), 0, batch, parts)
+    parallel.pin_assignment(cut, parts)
+    assert all(torch.equal(a, b) for a, b in zip(parallel.assignment(cut), parts))
+    torch.testing.assert_close(parallel.local(cut)["ids"], cut["ids"][parts[0]])
