@@ -159,6 +159,8 @@ class SparsePipeline:
             expected = self.extract(*inputs)
         except PipelineUnsupported as e:
             reason, expected = str(e), []
+        except Exception as e:  # noqa: BLE001 - any failure here must reach the all-reduce below, not one rank only
+            reason, expected = f"extracting the lookup keys failed ({type(e).__name__}: {e})", []
         self.runtime.recorded = []
         try:
             run_forward_backward()
