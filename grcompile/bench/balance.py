@@ -398,6 +398,7 @@ def _print(report: dict[str, Any]) -> None:
                   f"{100 * report['measured_predicted'][m]:5.1f}%   step gloo {s['step_ms']:.0f} ms, serial max rank "
                   f"{serial['step_ms']:.0f} ms")
 
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m grcompile.bench.balance", description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=4)

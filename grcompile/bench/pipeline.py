@@ -60,6 +60,7 @@ def _run_schedule(args, schedule: str, rank: int, world: int) -> dict[str, Any]:
     from models import SampledSoftmaxRetrieval, build_encoder
 
     from ..runtime import dense_parameters, shard_embeddings
+    from ..train.parallel import all_reduce_gradients
     from ..train.pipeline import SparsePipeline
 
     torch.manual_seed(0)
@@ -95,10 +96,7 @@ def _run_schedule(args, schedule: str, rank: int, world: int) -> dict[str, Any]:
                 upcoming = (batches[i + 1], local_of(batches[i + 1])) if i + 1 < len(batches) else None
                 pipeline.step(task, batch, local, upcoming)
         with runtime.span("dense all-reduce"):
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in dense])
-            dist.all_reduce(flat)
-            for p, chunk in zip(dense, flat.split([p.numel() for p in dense])):
-                p.grad = chunk.view_as(p)
+            all_reduce_gradients(dense)
         with runtime.span("optimizer"):
             for opt in optimizers:
                 opt.step()
@@ -197,7 +195,6 @@ def plot(results: list[dict], summary: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(schedules), 1, figsize=(11, 1.9 * len(schedules) + 0.6), sharex=True)
     for ax, schedule in zip(axes, schedules):
         spans = results[0][schedule]["trace"]
-        lanes = {("main", False): 0, ("main", True): 1, ("grad", False): 2}
         for name, thread, t0, t1 in spans:
             kind = next((k for k in sorted(colours, key=len, reverse=True) if name.startswith(k)), None)
             lane = 2 if "grad" in thread else (0 if kind == "forward+backward" else 1)

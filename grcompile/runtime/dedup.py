@@ -81,10 +81,11 @@ class ShardedEmbedding(nn.Module):
             if lo < 0 or hi >= self.num_embeddings:
                 raise ValueError(f"{self.name}: ids must lie in [0, {self.num_embeddings}), got values in [{lo}, {hi}]")
 
-    def read_owned(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of ids this rank owns (``id % W == rank``), differentiable into the shard."""
+    def read_owned(self, ids: torch.Tensor, values: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rows of ids this rank owns (``id % W == rank``), differentiable into the shard; their
+        values read now, or ``values`` read earlier (a prefetch buffer)."""
         local = ids // self.world
-        return _ReadRows.apply(self.weight, local, self.weight.detach()[local])
+        return _ReadRows.apply(self.weight, local, self.weight.detach()[local] if values is None else values)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.start(ids).wait()
@@ -163,7 +164,7 @@ class RoutedLookup:
                 stale = torch.isin(self.needed, updated)
                 if bool(stale.any()):
                     self.buffer[stale] = m.read_owned(self.needed[stale]).detach()
-            read = _ReadRows.apply(m.weight, self.needed // m.world, self.buffer)
+            read = m.read_owned(self.needed, self.buffer)
         if getattr(m, "_reads", None) is not None:
             m._reads.append(self.needed)
         rows = read[self.back] if self.back is not None else read

@@ -380,9 +380,7 @@ class SparseRuntime:
         exchange may still be in flight; ``routed_only``: not started yet, ``pending.exchange()``)."""
         self.check(feature, ids)
         f = self.plan.features[feature]
-        flat = ids.reshape(-1).long()
-        valid = flat != f.pad if f.pad is not None else None
-        kept = flat[valid] if valid is not None else flat
+        valid, kept = self.valid_ids(feature, ids)
         rows = self.plan.tables[f.table].tags.tag(feature, kept) if f.dynamic else kept + f.offset
         backend = self.dynamic if f.dynamic else self.tables
         inverse = None
@@ -391,6 +389,15 @@ class SparseRuntime:
         pending = backend.route_lookup(f.table, rows, buffered=buffered) if routed_only \
             else backend.start_lookup(f.table, rows)
         return _StartedLookup(kept, valid, pending, inverse)
+
+    def valid_ids(self, feature: str, ids: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """``(mask of the non-padding positions of the flat ids or None, those ids)``."""
+        flat = ids.reshape(-1).long()
+        pad = self.plan.features[feature].pad
+        if pad is None:
+            return None, flat
+        valid = flat != pad
+        return valid, flat[valid]
 
     # -- pipelining (train/pipeline.py schedules these) -----------------------------------------
     def prefetch(self, lookups: Sequence[tuple[str, torch.Tensor]], *, exchange: bool = True,
@@ -439,10 +446,7 @@ class SparseRuntime:
         if not queue:
             return None
         started = queue.popleft()
-        f = self.plan.features[feature]
-        flat = ids.reshape(-1).long()
-        valid = flat != f.pad if f.pad is not None else None
-        kept = flat[valid] if valid is not None else flat
+        valid, kept = self.valid_ids(feature, ids)
         if not torch.equal(started.kept, kept):
             raise RuntimeError(
                 f"sparse pipeline: the forward looked up feature {feature!r} with other ids than the ones "
@@ -450,9 +454,8 @@ class SparseRuntime:
                 f"keys cannot be computed before its forward here: train with --pipeline sync")
         # the same valid ids, maybe laid out otherwise (padded when extracted, packed by the jagged rewrite)
         started.valid = valid
-        if started in self._unexchanged:  # the forward came first: exchange in prefetch order up to it
-            while self._unexchanged and started in self._unexchanged:
-                self.exchange_routed(1)
+        while started in self._unexchanged:  # the forward came first: exchange in prefetch order up to it
+            self.exchange_routed(1)
         return started
 
     def prefetched(self) -> int:

@@ -182,11 +182,11 @@ class UnreadableCheckpoint(ValueError):
     """A checkpoint file that does not load (the message names it)."""
 
 
-def torch_load(path: Path) -> Any:
+def torch_load(path: Path, **options: Any) -> Any:
     """``torch.load`` whose failure names the file (a truncated zip says only "failed finding
-    central directory")."""
+    central directory"); ``options`` go to ``torch.load`` (e.g. ``mmap=True, weights_only=True``)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, **{"map_location": "cpu", "weights_only": False, **options})
     except Exception as e:  # noqa: BLE001 - any failure to unpickle is reported with the path
         raise UnreadableCheckpoint(f"{path}: cannot be loaded ({type(e).__name__}: {e})") from e
 

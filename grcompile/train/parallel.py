@@ -128,12 +128,7 @@ class Parallel:
         self.seconds["hsp_sync"] += t1 - t0
         if not self.distributed:
             return
-        params = [p for p in dense_parameters(task) if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        for p, chunk in zip(params, flat.split([g.numel() for g in grads])):
-            p.grad = chunk.view_as(p)
+        all_reduce_gradients([p for p in dense_parameters(task) if p.requires_grad])
         self.seconds["dense_all_reduce"] += time.perf_counter() - t1
 
     # -- best-state snapshots (tables gathered whole: any world size can restore them) ----------
@@ -253,6 +248,16 @@ def _check_sparse_optimizer(config: TrainConfig) -> None:
     problem = sparse_optimizer_problem(config, config.sparse_optimizer)
     if problem is not None:
         raise ValueError(f"--sparse-optimizer {config.sparse_optimizer}: {problem}")
+
+
+def all_reduce_gradients(params: list[nn.Parameter]) -> None:
+    """Sum ``params``' gradients over the ranks in one flattened all-reduce (a missing gradient
+    counts as zeros, so every rank sends the same layout)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    for p, chunk in zip(params, flat.split([g.numel() for g in grads])):
+        p.grad = chunk.view_as(p)
 
 
 def make_optimizers(task: nn.Module, config: TrainConfig, parallel: Parallel) -> list[torch.optim.Optimizer]:

@@ -183,11 +183,11 @@ class SparsePipeline:
         n = max(1, min(self.micro_batches, fewest_rows, rows))
         start = time.perf_counter()
         plain = list(torch.tensor_split(torch.arange(rows), n))
-        parts = cluster_rows(local["ids"], n) if self.cluster else plain
+        clustered = cluster_rows(local["ids"], n)  # also without clustering: unique_ids compares both
         self.seconds["clustering"] += time.perf_counter() - start
-        self.unique_ids["clustered"] += unique_ids_sent(local["ids"], cluster_rows(local["ids"], n) if not self.cluster else parts)
+        self.unique_ids["clustered"] += unique_ids_sent(local["ids"], clustered)
         self.unique_ids["unclustered"] += unique_ids_sent(local["ids"], plain)
-        return parts
+        return clustered if self.cluster else plain
 
     def _plan(self, batch: Batch, local: Batch) -> tuple[list[Batch], list[list], int]:
         """Micro-batches, their lookup keys, the global batch's target count."""
@@ -277,15 +277,15 @@ def setup_pipeline(task: nn.Module, config, parallel, optimizers: list, log) -> 
 def _compare(expected: list[tuple[str, torch.Tensor]], recorded: list[tuple[str, torch.Tensor]],
              runtime: SparseRuntime) -> Optional[str]:
     """Same valid ids per feature, in the same order per feature (features may interleave)."""
-    def per_feature(pairs, drop_padding: bool):
+    def per_feature(pairs):
         out: dict[str, list[torch.Tensor]] = {}
         for feature, ids in pairs:
-            flat = ids.reshape(-1).long()
-            pad = runtime.plan.features[feature].pad
-            out.setdefault(feature, []).append(flat[flat != pad] if drop_padding and pad is not None else flat)
+            out.setdefault(feature, []).append(ids)
         return out
 
-    want, got = per_feature(expected, True), per_feature(recorded, False)
+    # the recorded ids are the lookups' valid ids already; the extracted ones still hold padding
+    want = per_feature((f, runtime.valid_ids(f, ids)[1]) for f, ids in expected)
+    got = per_feature(recorded)
     for feature in sorted(set(want) | set(got)):
         a, b = want.get(feature, []), got.get(feature, [])
         if len(a) != len(b):

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..runtime.sparse import DynamicTables, NativeTables
+from . import checkpoint
 
 LAYOUT_KEY = "sparse_layout"
 OptimizerEntries = dict[int, dict[str, Any]]  # optimizer index -> its state entries for one parameter
@@ -165,10 +166,7 @@ def dynamic_payload(dynamic: DynamicTables) -> dict[str, dict[str, Any]]:
 def _read(path: Path) -> dict[str, Any]:
     """A row file, memory-mapped (only the rows picked out of it are read). The file was verified
     against the manifest before; a failure here names it all the same."""
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any failure to read the file is reported with its path
-        raise ValueError(f"{path}: cannot be loaded ({type(e).__name__}: {e})") from e
+    return checkpoint.torch_load(path, mmap=True, weights_only=True)
 
 
 def _same(a: Any, b: Any) -> bool:
