@@ -203,6 +203,16 @@ def evaluate(node: fx.Node, args: Any, kwargs: Any) -> Any:
     return None
 
 
+def _shape_preserving_value(node: fx.Node, args: Any) -> Any:
+    """A stand-in value for a dropout whose evaluation failed: ``F.dropout`` guards on
+    ``numel() == 0``, which a jagged ``[T, D]`` (T data-dependent) cannot answer, and without a
+    value every node after a training-mode dropout would go unanalysed (no norm fusion)."""
+    first = args[0] if args else None
+    if canonical(node) == "dropout" and isinstance(first, torch.Tensor):
+        return torch.empty_like(first)
+    return None
+
+
 def refresh_example_values(gm: fx.GraphModule, strict: bool = True) -> None:
     """Give nodes that earlier passes inserted an ``example_value`` (fake tensors computed from
     their inputs' example values), so layout analysis can run on a rewritten graph. With
@@ -225,12 +235,13 @@ def refresh_example_values(gm: fx.GraphModule, strict: bool = True) -> None:
                 if known is not None or n.op in ("placeholder", "output", "get_attr"):
                     env[n] = known
                     continue
+                args = fx.node.map_arg(n.args, env.get)
                 try:
-                    value = evaluate(n, fx.node.map_arg(n.args, env.get), fx.node.map_arg(n.kwargs, env.get))
+                    value = evaluate(n, args, fx.node.map_arg(n.kwargs, env.get))
                 except Exception:  # noqa: BLE001 - analysis-only values
                     if strict:
                         raise
-                    value = None
+                    value = _shape_preserving_value(n, args)
                 if value is not None:
                     n.meta["example_value"] = value
                 env[n] = value

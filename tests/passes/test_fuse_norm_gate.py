@@ -38,6 +38,20 @@ def test_models_match_counts_and_exact(model, expected):
         assert report.counters["fuse_norm_gate.skipped_affine"] == 5
 
 
+@pytest.mark.parametrize("model,expected", [("hstu", {"norm": 2, "gated_norm": 2}),
+                                            ("fuxi", {"norm": 4, "gated_norm": 2})])
+def test_training_dropout_keeps_the_norm_fusions(model, expected):
+    """A training-mode dropout on jagged values cannot be evaluated on example values (it guards
+    on the data-dependent numel); the norms after it must still be analysed and fused."""
+    torch.manual_seed(0)
+    enc = build_encoder(model, "ml1m", num_items=50, max_len=16, num_blocks=2, dropout=0.3).train()
+    ids, ts = random_batch([0, 1, 16, 9], 16)
+    optimized = grcompile.optimize(enc, lowering="eager")
+    optimized(ids, ts).sum().backward()
+    fused = [r["op"] for r in grcompile.report(optimized).rewrites if r["pass"] == "fuse_norm_gate"]
+    assert {op: fused.count(op) for op in set(fused)} == expected
+
+
 class NormVariants(nn.Module):
     """Norms a user might write: gate on the left, a broadcast gate (not fused: shapes differ),
     an affine LayerNorm, a norm over two dims, an rms_norm with the default eps."""
