@@ -176,6 +176,7 @@ from . import jagged, score_mod  # noqa: E402,F401
 from .score_mod import get_score_mod, register_score_mod  # noqa: E402,F401
 from .attention import jagged_attention  # noqa: E402,F401
 from .norm import gated_norm  # noqa: E402,F401
+from . import fp8  # noqa: E402,F401
 from . import checks, constant_check, pack, score_mod_attention  # noqa: E402,F401
 
 __all__ = ["OPS", "OpEntry", "BACKENDS", "register_op", "lookup", "use_backend", "preferred_backend",
