@@ -22,7 +22,8 @@ __all__ = ["__version__", "optimize", "report", "Report", "GraphPass", "PassCont
 # option -> default; dump_dir None means "$GRCOMPILE_DUMP_DIR if set".
 OPTIONS: dict[str, Any] = {"dump_dir": None, "passes": None, "lowering": "inductor",
                            "dynamic": False, "fullgraph": False, "sparse": None, "strict": False,
-                           "backend": None, "remat": None}
+                           "backend": None, "remat": None, "precision": None}
+PRECISIONS = (None, "fp8")
 # optimize(remat=True): the saved activations' budget, as a fraction of what the graph saves
 # without rematerialisation (issue 12's goal: <= 0.4x per block)
 REMAT_DEFAULT_BUDGET = 0.4
@@ -64,7 +65,11 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
     ``remat`` (``None`` / ``False``: off; ``True`` or a budget in (0, 1): activation
     rematerialisation — AOTAutograd's min-cut partitioner saves at most that fraction of the
     activation bytes the graph would save (``True``: ``REMAT_DEFAULT_BUDGET``) and recomputes the
-    cheapest rest in the backward; values and gradients are unchanged; needs ``lowering="inductor"``).
+    cheapest rest in the backward; values and gradients are unchanged; needs ``lowering="inductor"``),
+    ``precision`` (``None``: the model's own — bf16 comes from its weights or ``torch.autocast``;
+    ``"fp8"``: the ``fp8_linear`` pass runs last — linear layers become FP8 GEMMs with row-wise
+    scales, fused with the norm before them and the residual after them; gradients stay in the
+    model's precision. Not exact by design: values within e4m3 rounding, see docs/precision.md).
     """
     opts = _merge_options(options, kwargs)
     remat_budget = _remat_budget(opts["remat"], opts["lowering"])
@@ -82,6 +87,7 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
         bad = [p for p in passes if not isinstance(p, GraphPass)]
         if bad:
             raise TypeError(f"passes must be GraphPass instances, got {bad!r}")
+    passes = _with_precision(passes, opts["precision"])
     dump_dir: Path | None = resolve_dump_dir(opts["dump_dir"])
     sparse_plan = ""
     if opts["sparse"] is not None:
@@ -110,6 +116,19 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
     # and report(original_model) must not pretend the original was optimized.
     object.__setattr__(compiled, _STATE_ATTR, state)
     return compiled
+
+
+def _with_precision(passes: list[GraphPass], precision: Any) -> list[GraphPass]:
+    """``passes`` plus the precision pass ``precision`` asks for (once, last)."""
+    if precision not in PRECISIONS:
+        hint = " (bf16: give the model bf16 weights or run it under torch.autocast; optimize keeps " \
+               "the model's precision)" if precision in ("bf16", "fp16", "fp32") else ""
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}{hint}")
+    if precision != "fp8":
+        return passes
+    from .passes.fp8_linear import Fp8Linear
+
+    return [p for p in passes if not isinstance(p, Fp8Linear)] + [Fp8Linear()]
 
 
 def _remat_budget(remat: Any, lowering: str) -> float | None:

@@ -9,7 +9,9 @@
   user's bias math captured as a score_mod and the mask proved;
 * ``jagged_rewrite`` — the row-wise block on ``[T, ...]`` values (one data-dependent pack, no
   recompiles), ``jagged_attention`` inside, scattered back where values leave the block;
-* ``fuse_norm_gate`` — ``u ⊙ Norm(x)`` and the non-affine input norms → ``gated_norm``.
+* ``fuse_norm_gate`` — ``u ⊙ Norm(x)`` and the non-affine input norms → ``gated_norm``;
+* ``fp8_linear`` (only with ``optimize(precision="fp8")``, appended last) — linears → FP8 GEMMs,
+  the norm before and the residual after fused in.
 
 ``attention_pipeline()`` stops after the fusion; ``passes=[]`` lowers the captured graph unchanged.
 Every pass is exact at valid positions or falls back with a reason (see docs/DESIGN.md).

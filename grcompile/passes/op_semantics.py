@@ -109,6 +109,16 @@ def canonical(node: fx.Node) -> str | None:
     return None
 
 
+def dropout_is_identity(node: fx.Node) -> bool:
+    """A ``"dropout"`` node that returns its input: ``p == 0`` or not training (an ``nn.Dropout``
+    in eval mode, or ``dropout=0.0``, stays in Dynamo's graph as such a node)."""
+    if canonical(node) != "dropout":
+        return False
+    p = arg(node, 1, "p", 0.5)
+    training = arg(node, 2, "training", node.kwargs.get("train", True))
+    return (isinstance(p, (int, float)) and p == 0) or training is False
+
+
 def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     """The argument at position ``index`` or keyword ``name`` (``self`` of a method is index 0)."""
     if len(node.args) > index:

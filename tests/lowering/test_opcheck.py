@@ -219,6 +219,33 @@ def test_check_unchanged(layout: str) -> None:
         torch.ops.grcompile.check_unchanged(mask, digest(~mask), "the test mask")
 
 
+# --- FP8: quantize_fp8, norm_quant_fp8, scaled_linear_fp8, fp8_linear ---------------------------
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_ops(layout: str, dtype: torch.dtype) -> None:
+    x, u = (LAYOUTS[layout](randn(3, 4, 16, dtype=dtype, requires_grad=True, seed=s)) for s in (1, 2))
+    weight, bias = (randn(*shape, dtype=torch.float32, requires_grad=True, seed=s) for shape, s in (((32, 16), 3), ((32,), 4)))
+    residual = LAYOUTS[layout](randn(3, 4, 32, dtype=torch.float32, requires_grad=True, seed=5))
+    opcheck(torch.ops.grcompile.quantize_fp8.default, (x.detach(),))
+    opcheck(torch.ops.grcompile.norm_quant_fp8.default, (x.detach(), u.detach()), {"kind": "layer", "eps": 1e-6})
+    q, scale = torch.ops.grcompile.quantize_fp8(x.detach())
+    # test_schema compares inputs before/after with allclose, which has no float8 kernel on CPU
+    torch.library.opcheck(torch.ops.grcompile.scaled_linear_fp8.default,
+                          (q, scale, weight.detach(), bias.detach(), residual.detach()), {"out_dtype": dtype},
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    for norm, gate in (("layer", u), ("rms", None), ("none", None)):
+        opcheck(torch.ops.grcompile.fp8_linear.default, (x, gate, weight, bias, residual),
+                {"norm": norm, "eps": 1e-6, "out_dtype": torch.float32})
+
+
+def test_fp8_ops_zero_size() -> None:
+    x, weight = (randn(*shape, dtype=torch.float32, requires_grad=True) for shape in ((0, 16), (16, 16)))
+    opcheck(torch.ops.grcompile.fp8_linear.default, (x, None, weight, None, None),
+            {"norm": "rms", "eps": 1e-6, "out_dtype": torch.float32})
+    opcheck(torch.ops.grcompile.quantize_fp8.default, (randn(3, 0, dtype=torch.float32),))
+
+
 # --- sparse_lookup (+ backward), on a one-process runtime ---------------------------------------
 
 @pytest.fixture(scope="module")
@@ -252,7 +279,7 @@ def test_sparse_lookup(sparse, layout: str) -> None:
 
 # --- coverage -----------------------------------------------------------------------------------
 
-COVERED = {"gated_norm", "gated_norm_backward", "pack_index", "score_mod_attention", "score_mod_attention_backward",
+COVERED = {"quantize_fp8", "norm_quant_fp8", "scaled_linear_fp8", "fp8_linear", "gated_norm", "gated_norm_backward", "pack_index", "score_mod_attention", "score_mod_attention_backward",
            "jagged_attention", "jagged_attention_backward", "check_index", "check_unchanged", "sparse_lookup",
            "sparse_lookup_backward"}
 

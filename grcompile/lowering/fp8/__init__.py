@@ -62,8 +62,12 @@ def quantize_rowwise(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     vf = v.float()
     amax = vf.abs().amax(dim=-1, keepdim=True).clamp_min(AMAX_FLOOR) if v.shape[-1] else \
         vf.new_full((*v.shape[:-1], 1), AMAX_FLOOR)
-    q = (vf * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, amax / FP8_MAX
+    # Both divisions tensor by tensor, so IEEE-rounded on every device: with a Python 448 torch
+    # computes ``448 / amax`` as ``reciprocal(amax) · 448`` and, on CUDA, ``amax / 448`` as
+    # ``amax · (1/448)`` (two roundings each, different per device; a kernel could match neither).
+    fmax = torch.full_like(amax, FP8_MAX)
+    q = (vf * (fmax / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, amax / fmax
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -217,7 +221,7 @@ def fp8_linear_backward(grad: torch.Tensor, x: torch.Tensor, u: Optional[torch.T
         q, scale = _quantized_input(x, u, norm, eps)
         g = grad.float()
         rows = g.reshape(-1, g.shape[-1])
-        dweight = (rows.t() @ dequantize(q, scale).reshape(rows.shape[0], -1)).to(weight.dtype)
+        dweight = (rows.t() @ dequantize(q, scale).reshape(rows.shape[0], weight.shape[1])).to(weight.dtype)
         dbias = rows.sum(dim=0) if has_bias else None  # float32; the caller casts to the bias dtype
         dresidual = grad.to(residual_dtype) if residual_dtype is not None else None
         n_dtype = x.dtype  # the norm's output dtype: the dtype its backward takes the gradient in

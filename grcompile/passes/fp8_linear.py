@@ -1,0 +1,131 @@
+"""Pass ``fp8_linear`` (``optimize(model, precision="fp8")``): linear layers → FP8 GEMMs with
+row-wise scales, the quantisation fused into the norm before them and the residual after them
+fused into the GEMM's epilogue (ULTRA-HSTU's FP8 stack; ``grcompile.lowering.fp8``).
+
+Matches: ``linear(a, weight, bias)`` on float32 / bfloat16 / float16 values whose weight is a 2-D
+float tensor with ``K`` and ``N`` multiples of 16 (what FP8 tensor-core GEMMs take; torchao's
+float8 conversion skips the same layers), on dense and jagged values alike.
+Emits: ``fp8_linear(x, u, weight, bias, residual, norm=, eps=, out_dtype=)``, where
+
+* ``a = gated_norm(x, u)`` used only by this linear (through identity dropouts: eval mode, p = 0)
+  → ``norm`` = its kind: one kernel normalises and quantises (the normed tensor is never written);
+  else ``norm="none"`` quantises ``a`` (a training-mode dropout between the norm and the GEMM
+  keeps its place and its random stream);
+* the linear's only user is ``r + linear(...)`` (either order, ``r`` of the output's shape) →
+  ``residual=r``, summed in the GEMM's float32 epilogue, ``out_dtype`` the add's result dtype
+  (under autocast: float32 for a float32 residual stream, as eager's add promotes).
+
+Skips (counted; the layer stays in the model's precision): float64 or integer values, unaligned
+``K`` / ``N`` (reported: the user asked for FP8), non-2-D weights, missing shapes.
+Invariant: not exact — FP8 rounds the GEMM's inputs (e4m3: 3 mantissa bits), which is what
+``precision="fp8"`` asks for; the rest of the graph is untouched, and values stay within e4m3
+rounding of the unquantised GEMM (tests/compiler/test_fp8.py; loss parity in docs/precision.md).
+Runs after ``fuse_norm_gate`` (it reads the fused norms).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..capture.pass_manager import GraphPass, PassContext
+from ..lowering.fp8 import FP8_LINEAR
+from ..lowering.norm import GATED_NORM
+from .op_semantics import arg, canonical, dropout_is_identity, example, refresh_example_values
+from .symbolic import known_eq
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ALIGN = 16
+
+
+def _tensor(node) -> torch.Tensor | None:
+    value = example(node) if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _norm_of(a: fx.Node, linear: fx.Node) -> tuple[list[fx.Node], fx.Node, fx.Node | None, str, float] | None:
+    """``(nodes the fusion replaces, x, u, kind, eps)`` when ``a`` is a fused norm — or an identity
+    dropout of one (eval mode, p = 0) — that only this linear reads."""
+    chain, reader = [], linear
+    while isinstance(a, fx.Node) and dropout_is_identity(a) and set(a.users) == {reader}:
+        chain.append(a)
+        a, reader = a.args[0], a
+    if not isinstance(a, fx.Node) or a.op != "call_function" or a.target is not GATED_NORM or set(a.users) != {reader}:
+        return None
+    x, u = a.args
+    return chain + [a], x, u, a.kwargs["kind"], float(a.kwargs["eps"])
+
+
+def _residual_of(linear: fx.Node, out: torch.Tensor) -> tuple[fx.Node, fx.Node, torch.dtype] | None:
+    """``(add node, r, result dtype)`` when the linear's only user is an out-of-place ``r + linear``."""
+    if len(linear.users) != 1:
+        return None
+    add = next(iter(linear.users))
+    if canonical(add) != "add" or add.target is operator.iadd or len(add.args) != 2 or add.kwargs:
+        return None
+    a, b = add.args
+    r = b if a is linear else a if b is linear else None
+    rv, sv = _tensor(r), _tensor(add)
+    if r is None or r is linear or rv is None or sv is None or rv.dtype not in _DTYPES or sv.dtype not in _DTYPES:
+        return None
+    if rv.dim() != out.dim() or not all(known_eq(p, q) for p, q in zip(rv.shape, out.shape)):
+        return None  # a broadcast residual (a 1-D bias) is the linear's own bias, not a residual
+    return add, r, sv.dtype
+
+
+def _match(node: fx.Node) -> str | None:
+    """The reason ``node`` (a linear) is skipped, or None."""
+    x, w, out = _tensor(arg(node, 0, "input")), _tensor(arg(node, 1, "weight")), _tensor(node)
+    if x is None or w is None or out is None:
+        return "no_shape"
+    if x.dtype not in _DTYPES or w.dtype not in _DTYPES or out.dtype not in _DTYPES:
+        return "dtype"
+    if w.dim() != 2:
+        return "weight_not_2d"
+    if not all(isinstance(d, int) and d % ALIGN == 0 for d in w.shape):
+        return "unaligned"
+    return None
+
+
+class Fp8Linear(GraphPass):
+    name = "fp8_linear"
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        refresh_example_values(gm, strict=False)
+        g = gm.graph
+        for node in list(g.nodes):
+            if node.op != "call_function" or canonical(node) != "linear":
+                continue
+            skip = _match(node)
+            if skip is not None:
+                ctx.count(f"skipped_{skip}")
+                if skip == "unaligned":
+                    n, k = _tensor(arg(node, 1, "weight")).shape
+                    ctx.fallback(node, f"this linear stays in {_tensor(node).dtype}: FP8 GEMMs need both of its "
+                                       f"dims to be multiples of {ALIGN} (weight is [{n}, {k}])")
+                continue
+            a, weight, bias = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
+            norm = _norm_of(a, node)
+            absorbed, x, u, kind, eps = norm if norm is not None else ([], a, None, "none", 0.0)
+            residual = _residual_of(node, _tensor(node))
+            replaced, r, out_dtype = residual if residual is not None else (node, None, _tensor(node).dtype)
+            with g.inserting_before(replaced):
+                fused = g.call_function(FP8_LINEAR, (x, u, weight, bias, r),
+                                        {"norm": kind, "eps": eps, "out_dtype": out_dtype})
+            fused.meta = dict(replaced.meta)
+            if "stack_trace" in node.meta:  # report the user's linear line
+                fused.meta["stack_trace"] = node.meta["stack_trace"]
+            replaced.replace_all_uses_with(fused)
+            g.erase_node(replaced)
+            if replaced is not node:
+                g.erase_node(node)
+            for gone in absorbed:  # the identity dropouts, then the norm
+                g.erase_node(gone)
+            ctx.rewrite("fp8_linear", fused, norm=kind, residual=r is not None)
+            ctx.count(f"norm_{kind}" if norm is not None else "quantised_apart")
+            if r is not None:
+                ctx.count("residual_epilogue")
+
+
+__all__ = ["Fp8Linear", "ALIGN"]

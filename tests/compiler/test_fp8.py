@@ -1,0 +1,172 @@
+"""``optimize(model, precision="fp8")``: every aligned linear becomes an FP8 GEMM, fused with the
+norm before it and the residual after it, and the optimized model computes *the user's model with
+FP8 linears* — checked against the eager model whose ``F.linear`` is replaced by the same row-wise
+FP8 math (straight-through backward) — in float32 and under bf16 autocast, train and eval."""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import grcompile
+from grcompile.lowering.fp8 import dequantize, quantize_rowwise
+from models import build_encoder
+from tests.passes.test_fuse_attention import random_batch
+
+FP8_DIMS = dict(embedding_dim=64, linear_dim=32, attention_dim=32, num_heads=2, num_blocks=2)
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class _EmulatedFp8Linear(torch.autograd.Function):
+    """``linear`` with both operands quantised row-wise to e4m3, float32 accumulation; backward:
+    dx = dy @ W (straight through), dW = dyᵀ @ the quantised input — what the pass promises."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, out_dtype):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        y = dequantize(*quantize_rowwise(x)) @ dequantize(*quantize_rowwise(weight)).t()
+        return (y if bias is None else y + bias.float()).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        g = dy.float()
+        rows = g.reshape(-1, g.shape[-1])
+        dweight = rows.t() @ dequantize(*quantize_rowwise(x)).reshape(rows.shape[0], -1)
+        return (g @ weight.float()).to(x.dtype), dweight.to(weight.dtype), \
+            rows.sum(0) if ctx.has_bias else None, None
+
+
+@contextlib.contextmanager
+def emulated_fp8_linears():
+    """The eager model with every ``F.linear`` (``nn.Linear`` calls it) computed in emulated FP8."""
+    original = F.linear
+
+    def linear(x, weight, bias=None):
+        out_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+        with torch.autocast("cpu", enabled=False):
+            return _EmulatedFp8Linear.apply(x, weight, bias, out_dtype)
+
+    F.linear = linear
+    try:
+        yield
+    finally:
+        F.linear = original
+
+
+def _run(module, ids, ts, valid, autocast: bool, params):
+    params.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = module(ids, ts)
+    masked = out.float() * valid[..., None]
+    masked.square().sum().backward()
+    return masked.detach(), {n: p.grad.float().clone() for n, p in params.named_parameters() if p.grad is not None}
+
+
+def _fp8_rewrites(optimized, graph: int = 0) -> list[tuple]:
+    """``(site, norm, residual)`` of the fp8_linear rewrites in compiled graph ``graph``."""
+    return sorted((r["site"], r["norm"], r["residual"]) for r in grcompile.report(optimized).rewrites
+                  if r["pass"] == "fp8_linear" and r["graph"] == graph)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("model", ["hstu", "fuxi"])
+def test_fp8_model_equals_the_model_with_fp8_linears(model: str, autocast: bool) -> None:
+    torch.manual_seed(0)
+    enc = build_encoder(model, "ml1m", num_items=50, max_len=16, dropout=0.0, **FP8_DIMS)
+    ids, ts = random_batch([0, 1, 16, 9], 16)
+    valid = (ids != 0).float()
+    twin = copy.deepcopy(enc)
+    with emulated_fp8_linears():
+        want, want_grads = _run(enc, ids, ts, valid, autocast, enc)
+    optimized = grcompile.optimize(twin, lowering="eager", precision="fp8")
+    for mode in ("train", "eval", "train"):  # one optimized module through train -> eval -> train
+        twin.train(mode == "train")
+        enc.train(mode == "train")
+        with emulated_fp8_linears():
+            want, want_grads = _run(enc, ids, ts, valid, autocast, enc)
+        got, got_grads = _run(optimized, ids, ts, valid, autocast, twin)
+        # float32: only summation order differs; bf16: the fused residual skips one bf16 rounding
+        tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got, want, **tol)
+        for name, g in want_grads.items():
+            torch.testing.assert_close(got_grads[name], g, **tol, msg=lambda m: f"{name}: {m}")
+    rewrites = _fp8_rewrites(optimized)
+    fused_norms = [r for r in rewrites if r[1] != "none"]
+    assert len(rewrites) >= 2 * FP8_DIMS["num_blocks"] and len(fused_norms) >= 2 * FP8_DIMS["num_blocks"], rewrites
+    assert sum(r[2] for r in rewrites) == FP8_DIMS["num_blocks"], rewrites  # the output projection's residual
+    assert all(site.startswith(f"{model}.py:") for site, *_ in rewrites)
+    assert grcompile.report(optimized).fallbacks == []
+
+
+def test_training_dropout_between_norm_and_gemm_quantises_apart() -> None:
+    """A training-mode dropout after the gated norm keeps its place (and its random stream): the
+    GEMM quantises the dropout's output; in eval mode the norm is fused again."""
+    torch.manual_seed(0)
+    enc = build_encoder("hstu", "ml1m", num_items=50, max_len=16, dropout=0.3, **FP8_DIMS)
+    ids, ts = random_batch([0, 3, 16, 9], 16)
+    optimized = grcompile.optimize(enc, lowering="eager", precision="fp8")
+    optimized(ids, ts).sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in enc.parameters() if p.grad is not None)
+    trained = _fp8_rewrites(optimized)
+    assert [r[1] for r in trained if r[2]] == ["none"] * FP8_DIMS["num_blocks"]
+    torch._dynamo.reset()
+    optimized = grcompile.optimize(enc.eval(), lowering="eager", precision="fp8")
+    optimized(ids, ts)
+    assert [r[1] for r in _fp8_rewrites(optimized) if r[2]] == ["layer"] * FP8_DIMS["num_blocks"]
+
+
+class _Unaligned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.aligned, self.unaligned = nn.Linear(32, 16), nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.unaligned(self.aligned(x))
+
+
+def test_unaligned_linear_stays_and_says_why() -> None:
+    module = _Unaligned()
+    x = torch.randn(3, 32)
+    optimized = grcompile.optimize(module, lowering="eager", precision="fp8")
+    out = optimized(x)
+    with emulated_fp8_linears():
+        first = module.aligned(x)
+    torch.testing.assert_close(out, module.unaligned(first), rtol=1e-5, atol=1e-6)
+    report = grcompile.report(optimized)
+    fp8 = [f for f in report.fallbacks if f["pass"] == "fp8_linear"]
+    assert len(fp8) == 1 and fp8[0]["site"].startswith("test_fp8.py:")
+    assert "multiples of 16 (weight is [10, 16])" in fp8[0]["reason"]
+    assert [r["norm"] for r in report.rewrites if r["pass"] == "fp8_linear"] == ["none"]
+
+
+def test_precision_option_is_checked() -> None:
+    with pytest.raises(ValueError, match="torch.autocast"):
+        grcompile.optimize(nn.Linear(16, 16), precision="bf16")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        grcompile.optimize(nn.Linear(16, 16), precision="int4")
+
+
+def test_fp8_under_inductor_matches_eager_lowering() -> None:
+    torch.manual_seed(0)
+    enc = build_encoder("hstu", "ml1m", num_items=50, max_len=16, dropout=0.0, **FP8_DIMS)
+    ids, ts = random_batch([0, 1, 16, 9], 16)
+    valid = (ids != 0).float()
+    a, b = copy.deepcopy(enc), copy.deepcopy(enc)
+    want, want_grads = _run(grcompile.optimize(a, lowering="eager", precision="fp8"), ids, ts, valid, False, a)
+    torch._dynamo.reset()
+    got, got_grads = _run(grcompile.optimize(b, precision="fp8"), ids, ts, valid, False, b)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-5)
