@@ -56,6 +56,7 @@ from typing import Any, Iterable, Optional
 PROVIDERS = [
     "grcompile.lowering.norm.triton:aot_configs",
     "grcompile.lowering.attention.triton:aot_configs",
+    "grcompile.lowering.fp8.triton:aot_configs",
 ]
 
 # arch name -> compute capability. sm_90 compiles as sm_90a (Triton's choice: wgmma needs it).
