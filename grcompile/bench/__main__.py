@@ -56,8 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--remat", action="store_true",
                    help="grcompile mode: activation rematerialisation (optimize(remat=True))")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                   help="bf16: every mode's forward under torch.autocast(bfloat16) (FP8 is not built yet)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp8"), default="fp32",
+                   help="bf16: every mode's forward under torch.autocast(bfloat16); fp8: the same, and the "
+                        "grcompile mode's linears as FP8 GEMMs (optimize(precision='fp8'); emulated on CPU)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per mode before it is killed")
     p.add_argument("--no-aot", dest="aot", action="store_false",
                    help="skip compiling, for sm_80 / sm_90, the Triton attention kernels of the variants the "

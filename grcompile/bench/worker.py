@@ -9,7 +9,9 @@ initial weights (``torch.manual_seed(seed)`` right before the model is built, an
 before the first step so dropout draws the same stream in eager), then applies the compile mode
 to the ``SampledSoftmaxRetrieval`` module and runs ``warmup + steps`` training steps of
 ``zero_grad → loss forward → backward → Adam step``, each timed with ``time.perf_counter``; with
-``precision="bf16"`` the loss forward runs under ``torch.autocast(bfloat16)`` in every mode.
+``precision="bf16"`` the loss forward runs under ``torch.autocast(bfloat16)`` in every mode;
+``"fp8"`` too, and the grcompile mode also gets ``optimize(precision="fp8")`` (its linears run as
+FP8 GEMMs — emulated on CPU; eager and inductor have no FP8 and stay bf16).
 
 A ``model`` of the form ``path/to/file.py:factory`` is a user's model (grcompile/user_model.py):
 the worker loads it itself (``max_len``, and ``num_items`` / ``dropout`` when given, go to the
@@ -26,6 +28,8 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import Any
+
+PRECISIONS = ("fp32", "bf16", "fp8")
 
 DEFAULTS: dict[str, Any] = dict(model="hstu", preset="small", max_len=1024, batch_size=32, steps=5, warmup=2,
                                 seed=0, threads=None, num_users=None, num_items=None, num_negatives=128,
@@ -67,15 +71,18 @@ def current_rss_mb() -> float | None:
     return _proc_status_mb("VmRSS")
 
 
-def apply_mode(module: Any, mode: str, pipeline: str = "default", remat: bool = False) -> tuple[Any, Any]:
+def apply_mode(module: Any, mode: str, pipeline: str = "default", remat: bool = False,
+               fp8: bool = False) -> tuple[Any, Any]:
     """Returns (compiled module, describe() -> str); ``pipeline`` picks grcompile's passes,
-    ``remat`` turns on grcompile's activation rematerialisation."""
+    ``remat`` turns on grcompile's activation rematerialisation, ``fp8`` its FP8 GEMMs."""
     from grcompile.modes import apply_compile_mode, describe_mode
     from grcompile.passes import PIPELINES
 
-    options = {"passes": PIPELINES[pipeline](), **({"remat": True} if remat else {})} if mode == "grcompile" else {}
+    options = {"passes": PIPELINES[pipeline](), **({"remat": True} if remat else {}),
+               **({"precision": "fp8"} if fp8 else {})} if mode == "grcompile" else {}
     compiled = apply_compile_mode(module, mode, **options)
-    return compiled, (lambda: describe_mode(compiled) + (" + remat" if remat and mode == "grcompile" else ""))
+    extras = (" + remat" if remat else "") + (" + fp8" if fp8 else "") if mode == "grcompile" else ""
+    return compiled, (lambda: describe_mode(compiled) + extras)
 
 
 def saved_activation_bytes(step_fn: Any, inputs: tuple, autocast: Any) -> int:
@@ -205,21 +212,23 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     task = workload.task
     task.train()
     optimizer = torch.optim.Adam(task.parameters(), lr=cfg["lr"])
-    step_fn, describe = apply_mode(task, mode, cfg.get("pipeline", "default"), bool(cfg.get("remat")))
+    if cfg["precision"] not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {cfg['precision']!r}")
+    step_fn, describe = apply_mode(task, mode, cfg.get("pipeline", "default"), bool(cfg.get("remat")),
+                                   fp8=cfg["precision"] == "fp8")
+    half = cfg["precision"] in ("bf16", "fp8")  # fp8: bf16 autocast around the FP8 GEMMs (eager, inductor: bf16)
 
     rss_before = current_rss_mb()
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
 
-    if cfg["precision"] not in ("fp32", "bf16"):
-        raise ValueError(f"precision must be fp32 or bf16, got {cfg['precision']!r}")
     torch.manual_seed(seed)
     times, losses = [], []
     for i, inputs in enumerate(workload.inputs):
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg["precision"] == "bf16"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=half):
             loss = step_fn(*inputs)
         loss.backward()
         optimizer.step()
@@ -232,7 +241,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 
     activation_bytes = saved_activation_bytes(
         step_fn, workload.inputs[-1],
-        lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg["precision"] == "bf16"))
+        lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=half))
     blocks = (workload.fields.get("model_config") or {}).get("num_blocks")
     timed = times[cfg["warmup"]:] if len(times) > cfg["warmup"] else times
     first_timed = len(times) - len(timed)

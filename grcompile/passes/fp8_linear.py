@@ -16,7 +16,11 @@ Emits: ``fp8_linear(x, u, weight, bias, residual, norm=, eps=, out_dtype=)``, wh
   (under autocast: float32 for a float32 residual stream, as eager's add promotes).
 
 Skips (counted; the layer stays in the model's precision): float64 or integer values, unaligned
-``K`` / ``N`` (reported: the user asked for FP8), non-2-D weights, missing shapes.
+``K`` / ``N`` (reported: the user asked for FP8), non-2-D weights, missing shapes, and 1×1
+convolutions the jagged rewrite spelled as linears (FP8 covers linear layers, as torchao's float8
+training does: whether a Conv1d ran in FP8 must not depend on whether its block went jagged).
+Reported: an ``F.multi_head_attention_forward`` left whole (its attention not fused) keeps its
+projections in the model's precision — they are not separate linears in the graph.
 Invariant: not exact — FP8 rounds the GEMM's inputs (e4m3: 3 mantissa bits), which is what
 ``precision="fp8"`` asks for; the rest of the graph is untouched, and values stay within e4m3
 rounding of the unquantised GEMM (tests/compiler/test_fp8.py; loss parity in docs/precision.md).
@@ -28,10 +32,12 @@ import operator
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from ..capture.pass_manager import GraphPass, PassContext
 from ..lowering.fp8 import FP8_LINEAR
 from ..lowering.norm import GATED_NORM
+from .row_spellings import WRITTEN_AS
 from .op_semantics import arg, canonical, dropout_is_identity, example, refresh_example_values
 from .symbolic import known_eq
 
@@ -76,6 +82,8 @@ def _residual_of(linear: fx.Node, out: torch.Tensor) -> tuple[fx.Node, fx.Node, 
 
 def _match(node: fx.Node) -> str | None:
     """The reason ``node`` (a linear) is skipped, or None."""
+    if node.meta.get(WRITTEN_AS) == "conv1d":
+        return "convolution"
     x, w, out = _tensor(arg(node, 0, "input")), _tensor(arg(node, 1, "weight")), _tensor(node)
     if x is None or w is None or out is None:
         return "no_shape"
@@ -95,6 +103,14 @@ class Fp8Linear(GraphPass):
         refresh_example_values(gm, strict=False)
         g = gm.graph
         for node in list(g.nodes):
+            if node.op == "call_function" and node.target is F.multi_head_attention_forward:
+                query = _tensor(arg(node, 0, "query"))
+                ctx.count("skipped_whole_attention_module")
+                ctx.fallback(node, f"this attention's input and output projections stay in "
+                                   f"{query.dtype if query is not None else 'the model precision'}: the attention "
+                                   "was not fused (see its own entry), so its projections are not separate linears "
+                                   "FP8 could take")
+                continue
             if node.op != "call_function" or canonical(node) != "linear":
                 continue
             skip = _match(node)

@@ -49,6 +49,9 @@ def _is_moment(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target in (torch.var, torch.std)
 
 
+WRITTEN_AS = "grcompile_written_as"  # node.meta key: the user's op a rewritten node stands for
+
+
 def normalise(gm: fx.GraphModule) -> dict[str, int]:
     """Rewrite the spellings above in place; returns counts per rewrite."""
     g = gm.graph
@@ -64,6 +67,7 @@ def normalise(gm: fx.GraphModule) -> dict[str, int]:
             for new in (xt, w2, y, out):
                 if n.meta.get("stack_trace"):
                     new.meta["stack_trace"] = n.meta["stack_trace"]
+            y.meta[WRITTEN_AS] = "conv1d"  # a convolution to later passes (fp8_linear leaves those alone)
             n.replace_all_uses_with(out)
             g.erase_node(n)
             counts["conv1x1_as_linear"] += 1

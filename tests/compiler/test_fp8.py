@@ -4,17 +4,15 @@ FP8 linears* — checked against the eager model whose ``F.linear`` is replaced 
 FP8 math (straight-through backward) — in float32 and under bf16 autocast, train and eval."""
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import grcompile
-from grcompile.lowering.fp8 import dequantize, quantize_rowwise
 from models import build_encoder
+from tests.fp8_emulation import assert_fp8_close, emulated_fp8_linears
 from tests.passes.test_fuse_attention import random_batch
 
 FP8_DIMS = dict(embedding_dim=64, linear_dim=32, attention_dim=32, num_heads=2, num_blocks=2)
@@ -25,44 +23,6 @@ def _reset():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-class _EmulatedFp8Linear(torch.autograd.Function):
-    """``linear`` with both operands quantised row-wise to e4m3, float32 accumulation; backward:
-    dx = dy @ W (straight through), dW = dyᵀ @ the quantised input — what the pass promises."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        y = dequantize(*quantize_rowwise(x)) @ dequantize(*quantize_rowwise(weight)).t()
-        return (y if bias is None else y + bias.float()).to(out_dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        g = dy.float()
-        rows = g.reshape(-1, g.shape[-1])
-        dweight = rows.t() @ dequantize(*quantize_rowwise(x)).reshape(rows.shape[0], -1)
-        return (g @ weight.float()).to(x.dtype), dweight.to(weight.dtype), \
-            rows.sum(0) if ctx.has_bias else None, None
-
-
-@contextlib.contextmanager
-def emulated_fp8_linears():
-    """The eager model with every ``F.linear`` (``nn.Linear`` calls it) computed in emulated FP8."""
-    original = F.linear
-
-    def linear(x, weight, bias=None):
-        out_dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
-        with torch.autocast("cpu", enabled=False):
-            return _EmulatedFp8Linear.apply(x, weight, bias, out_dtype)
-
-    F.linear = linear
-    try:
-        yield
-    finally:
-        F.linear = original
 
 
 def _run(module, ids, ts, valid, autocast: bool, params):
@@ -99,9 +59,9 @@ def test_fp8_model_equals_the_model_with_fp8_linears(model: str, autocast: bool)
         got, got_grads = _run(optimized, ids, ts, valid, autocast, twin)
         # float32: only summation order differs; bf16: the fused residual skips one bf16 rounding
         tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(got, want, **tol)
+        assert_fp8_close(got, want, **tol, what=f"{mode} output")
         for name, g in want_grads.items():
-            torch.testing.assert_close(got_grads[name], g, **tol, msg=lambda m: f"{name}: {m}")
+            assert_fp8_close(got_grads[name], g, **tol, what=f"{mode} gradient of {name}")
     rewrites = _fp8_rewrites(optimized)
     fused_norms = [r for r in rewrites if r[1] != "none"]
     assert len(rewrites) >= 2 * FP8_DIMS["num_blocks"] and len(fused_norms) >= 2 * FP8_DIMS["num_blocks"], rewrites
@@ -143,7 +103,7 @@ def test_unaligned_linear_stays_and_says_why() -> None:
     out = optimized(x)
     with emulated_fp8_linears():
         first = module.aligned(x)
-    torch.testing.assert_close(out, module.unaligned(first), rtol=1e-5, atol=1e-6)
+    assert_fp8_close(out, module.unaligned(first), rtol=1e-5, atol=1e-6)
     report = grcompile.report(optimized)
     fp8 = [f for f in report.fallbacks if f["pass"] == "fp8_linear"]
     assert len(fp8) == 1 and fp8[0]["site"].startswith("test_fp8.py:")
@@ -167,6 +127,6 @@ def test_fp8_under_inductor_matches_eager_lowering() -> None:
     want, want_grads = _run(grcompile.optimize(a, lowering="eager", precision="fp8"), ids, ts, valid, False, a)
     torch._dynamo.reset()
     got, got_grads = _run(grcompile.optimize(b, precision="fp8"), ids, ts, valid, False, b)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert_fp8_close(got, want, rtol=1e-4, atol=1e-5, what="output")
     for name, g in want_grads.items():
-        torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-5)
+        assert_fp8_close(got_grads[name], g, rtol=1e-4, atol=1e-5, what=f"gradient of {name}")

@@ -166,6 +166,36 @@ def run_with_dropout(name: str, lowering: str, dropout: float = 0.3) -> None:
     pair.step(BATCH, MAX_LEN, seed=2, train=False, grad=False)
 
 
+def run_fp8(name: str, lowering: str = "eager") -> grcompile.Report:
+    """One training step of ``optimize(model, precision="fp8")`` against the eager model with its
+    linears in emulated FP8 (tests/fp8_emulation.py): outputs at the positions that count and every
+    parameter gradient. Returns the report."""
+    from tests.fp8_emulation import assert_fp8_close, emulated_fp8_linears
+
+    user, _ = load(name)
+    twin = copy.deepcopy(user.module)
+    optimized = grcompile.optimize(twin, lowering=lowering, precision="fp8")
+    args = as_tuple(user.make_batch(BATCH, MAX_LEN, 0))
+    valid = user.valid(*args) if user.valid is not None else None
+    user.module.train()
+    optimized.train()
+    got = optimized(*args)
+    report = grcompile.report(optimized)
+    whole = any(f["pass"] == "fp8_linear" and "projections stay" in f["reason"] for f in report.fallbacks)
+    with emulated_fp8_linears(whole_attention_modules=whole):
+        ref = user.module(*args)
+        user.step_loss(ref, args).backward()
+    user.step_loss(got, args).backward()
+    for i, (a, b) in enumerate(zip(_tensors(got), _tensors(ref))):
+        assert_fp8_close(_masked(a, valid), _masked(b, valid), RTOL, ATOL, f"{name} fp8: output {i}")
+    ref_params = dict(user.module.named_parameters())
+    for n, p in twin.named_parameters():
+        if ref_params[n].grad is not None:
+            assert p.grad is not None, f"{name} fp8: {n} has no gradient, eager has one"
+            assert_fp8_close(p.grad, ref_params[n].grad, RTOL, ATOL, f"{name} fp8: gradient of {n}")
+    return report
+
+
 _FIRST_REPORTS: dict[tuple[str, str], grcompile.Report] = {}
 _EVAL_FUSED: dict[tuple[str, str], int] = {}
 

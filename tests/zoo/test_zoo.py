@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from .harness import (BATCH, MAX_LEN, MODELS, MORE_SHAPES, SHAPES, Pair, eval_fused_count, first_report, fused_count,
-                      jagged, load, run_sequence, run_with_dropout)
+                      jagged, load, run_fp8, run_sequence, run_with_dropout)
 
 # inductor lowering in the default run (about a minute each): a hand-written additive-mask SASRec
 # and the softmax over the sequence axis (inductor's own attention rewrite is wrong there)
@@ -228,3 +228,15 @@ def test_exact_with_triton_kernels(name):
 @pytest.mark.parametrize("name", MODELS)
 def test_exact_with_triton_kernels_all(name):
     _exact_with_triton(name)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fp8_is_the_model_with_fp8_linears(name):
+    """``precision="fp8"`` on code nobody here wrote: equal to the eager model with its linears in
+    emulated FP8, and every layer it leaves alone is either counted (float64, convolutions) or
+    reported (unaligned dims, a whole attention module) — never silently dropped."""
+    report = run_fp8(name)
+    converted = report.counters.get("fp8_linear.fp8_linear", 0)
+    left = sum(v for k, v in report.counters.items() if k.startswith("fp8_linear.skipped_"))
+    assert converted + left > 0, f"{name}: the fp8_linear pass saw no linear"
+
