@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="ml1m", help=f"one of {sorted(PRESETS['hstu'])}")
     p.add_argument("--data", choices=DATASETS, default="synthetic")
     p.add_argument("--compile", choices=("eager", "inductor", "grcompile"), default="eager")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp8"), default="fp32",
+                   help="bf16: every training step's forward under torch.autocast(bfloat16) (parameters, optimizer "
+                        "and evaluation stay float32); fp8: the same plus optimize(precision='fp8') — needs "
+                        "--compile grcompile")
     p.add_argument("--epochs", type=argparse_type("epochs"), default=100, help="0: evaluate only")
     p.add_argument("--steps", type=argparse_type("steps"), default=None,
                    help="stop after N optimizer steps in total (0: evaluate only)")
@@ -116,6 +120,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.preset not in PRESETS[args.model]:
         raise SystemExit(f"--preset {args.preset!r} unknown; choose from {sorted(PRESETS[args.model])}")
     config = TrainConfig(model=args.model, preset=args.preset, data=args.data, compile=args.compile,
+                       precision=args.precision,
                        epochs=args.epochs, steps=args.steps, max_minutes=args.max_minutes,
                        batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, max_len=args.max_len,
                        seed=args.seed, lr=args.lr, weight_decay=args.weight_decay, temperature=args.temperature,

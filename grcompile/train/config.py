@@ -82,6 +82,7 @@ class TrainConfig:
     preset: str = "ml1m"
     data: str = "synthetic"
     compile: str = "eager"
+    precision: str = "fp32"  # "bf16": training steps under torch.autocast(bfloat16); "fp8": also FP8 GEMMs (grcompile)
     epochs: int = 100
     steps: int | None = None  # stop after this many optimizer steps in total
     max_minutes: float | None = None
@@ -142,6 +143,11 @@ class TrainConfig:
                              f"got {self.pipeline!r}")
         if self.balance not in ("equal", "tokens", "cost"):
             raise ValueError(f"TrainConfig.balance must be equal, tokens or cost, got {self.balance!r}")
+        if self.precision not in ("fp32", "bf16", "fp8"):
+            raise ValueError(f"TrainConfig.precision must be fp32, bf16 or fp8, got {self.precision!r}")
+        if self.precision == "fp8" and self.compile != "grcompile":
+            raise ValueError("TrainConfig.precision 'fp8' is a grcompile rewrite: it needs compile 'grcompile' "
+                             f"(got {self.compile!r})")
         if self.token_budget is not None and self.lbsl:
             raise ValueError("TrainConfig.lbsl cuts the rows of a global batch; token_budget has none (not combined)")
         if self.token_budget is not None and (self.pipeline != "sync" or self.balance != "equal"):

@@ -62,10 +62,11 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         parallel.check_checkpointable()
 
     from ..modes import apply_compile_mode, describe_mode
-    step_fn = apply_compile_mode(task, config.compile)
+    compiled = apply_compile_mode(task, config.compile, **({"precision": "fp8"} if config.precision == "fp8" else {}))
+    step_fn = _with_precision(compiled, config.precision)
     where = f" on {parallel.world} ranks, sharding {config.sharding}" if parallel.distributed else ""
     log(f"[grcompile.train] {config.model}/{config.preset} on {ds.name}{where}: {len(split.train)} users, "
-        f"{ds.num_items} items, max_len {max_len}, {len(loader)} steps/epoch; {describe_mode(step_fn)}")
+        f"{ds.num_items} items, max_len {max_len}, {len(loader)} steps/epoch; {describe_mode(compiled)}, {config.precision}")
     log(f"[grcompile.train] sparse optimizer {config.sparse_optimizer}: {config.sparse_optimizer_reason}")
     pipeline, pipeline_info = setup_pipeline(task, config, parallel, optimizers, log)
 
@@ -229,7 +230,8 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         "minutes_per_epoch": state["train_seconds"] / 60 / max(epochs_done, 1e-9),
         "tokens_per_s": state["valid_tokens"] / max(state["train_seconds"], 1e-9),
         "train_tokens": state["valid_tokens"],  # valid tokens trained on (all ranks)
-        "compile_mode": describe_mode(step_fn),
+        "compile_mode": describe_mode(compiled),
+        "precision": config.precision,
         "pipeline": {k: v for k, v in pipeline_info.items() if k != "verified"},
         "step_time_ms": timing.summary(),
     }
@@ -248,6 +250,19 @@ class _Step:
     weight: float  # its mean loss times this is its share of the global mean
     tokens: int  # valid tokens of the step, all ranks
     lbsl_before: Optional[dict] = None  # LBSL's state before this step (checkpoints)
+
+
+def _with_precision(step_fn, precision: str):
+    """``step_fn`` under ``torch.autocast(bfloat16)`` for ``bf16`` / ``fp8`` (the training steps
+    only: parameters, optimizer state and evaluation stay float32)."""
+    if precision == "fp32":
+        return step_fn
+    device = next(step_fn.parameters()).device.type
+
+    def step(*args, **kwargs):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return step_fn(*args, **kwargs)
+    return step
 
 
 def _train_loader(config: TrainConfig, split, ds, max_len: int, parallel):
@@ -300,6 +315,8 @@ def _resume_key(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:
     key = dict(config) if isinstance(config, dict) else config.to_dict()
     if key.get("pipeline") in PIPELINES:  # the exact schedules are one algorithm
         key["pipeline"] = "stale" if key["pipeline"] in STALE else "synchronous"
+    if key.get("precision", "fp32") == "fp32":  # keys written before the field existed were fp32
+        key.pop("precision", None)
     for field in ("epochs", "steps", "max_minutes", "threads", "sharding", "hsp_group_size", "dedup",
                   "checkpoint_every", "sparse_optimizer_reason", "micro_batches", "balance"):
         key.pop(field, None)
