@@ -27,10 +27,7 @@ ALLOWED = {
     "cli": LIBRARY | {"cli"},
 }
 # (layer, imported module) -> why it is allowed for now
-EXCEPTIONS = {
-    ("passes", "grcompile.capture.pass_manager"): "the pass framework (GraphPass, PassContext, node_site, "
-                                                  "copy_graph) still lives in capture/",
-}
+EXCEPTIONS: dict[tuple[str, str], str] = {}
 # modules outside grcompile/lowering that define a grcompile custom op -> why
 OPS_OUTSIDE_LOWERING = {
     "grcompile.runtime.lookup_op": "sparse_lookup calls back into the sparse runtime; not yet in the op registry",

@@ -24,7 +24,7 @@ import torch.fx as fx
 from .dump import describe_inputs, emit_artifact, write_dump, write_score_mods
 from ..lowering.checks import pin_checks
 from .failures import describe_error
-from .pass_manager import GraphPass, PassContext, PassResult, copy_graph, node_site, pass_name, run_pipeline
+from ..passes.pass_manager import GraphPass, PassContext, PassResult, copy_graph, node_site, pass_name, run_pipeline
 from .report import Report
 from .shapes import ShapePolicy
 

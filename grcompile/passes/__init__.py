@@ -18,7 +18,7 @@ Every pass is exact at valid positions or falls back with a reason (see docs/DES
 """
 from __future__ import annotations
 
-from ..capture.pass_manager import GraphPass
+from .pass_manager import GraphPass
 
 __all__ = ["PIPELINES", "attention_pipeline", "default_pipeline", "jagged_pipeline"]
 

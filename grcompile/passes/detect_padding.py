@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.fx as fx
 
-from ..capture.pass_manager import GraphPass, PassContext, node_site
+from .pass_manager import GraphPass, PassContext, node_site
 from .axes import AxisClasses
 from .layout import Layout, Pair, Token, propagate
 from .op_semantics import canonical, example, refresh_example_values, shape_of

@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..capture.pass_manager import GraphPass, PassContext
+from .pass_manager import GraphPass, PassContext
 from ..lowering.fp8 import FP8_LINEAR
 from ..lowering.norm import GATED_NORM
 from .row_spellings import WRITTEN_AS

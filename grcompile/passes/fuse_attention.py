@@ -27,7 +27,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..capture.pass_manager import GraphPass, PassContext, node_site
+from .pass_manager import GraphPass, PassContext, node_site
 from ..lowering.constant_check import CHECK_UNCHANGED, digest
 from ..lowering.score_mod import register_score_mod
 from ..lowering.score_mod_attention import SCORE_MOD_ATTENTION

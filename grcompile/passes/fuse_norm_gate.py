@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..capture.pass_manager import GraphPass, PassContext
+from .pass_manager import GraphPass, PassContext
 from ..lowering.norm import GATED_NORM
 from .op_semantics import arg, canonical, example, refresh_example_values
 from .symbolic import known_eq

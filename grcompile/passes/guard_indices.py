@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from ..capture.pass_manager import GraphPass, PassContext, node_site
+from .pass_manager import GraphPass, PassContext, node_site
 from ..lowering.checks import CHECK_INDEX
 from .op_semantics import arg, canonical, evaluate, example
 

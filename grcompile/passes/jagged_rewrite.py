@@ -20,7 +20,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..capture.pass_manager import GraphPass, PassContext, copy_graph, node_site
+from .pass_manager import GraphPass, PassContext, copy_graph, node_site
 from ..lowering.attention import JAGGED_ATTENTION
 from ..lowering.jagged import jagged_to_dense, segment_softmax, valid_to_offsets
 from ..lowering.pack import PACK_INDEX

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import grcompile
 from grcompile import GraphPass, PassContext
-from grcompile.capture.pass_manager import error_text
+from grcompile.passes.pass_manager import error_text
 from grcompile.passes.op_semantics import describe_op, describe_target
 from models import SampledSoftmaxRetrieval, build_encoder
 
