@@ -33,6 +33,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.fx.experimental import _config as fx_config
 
 __all__ = ["ShapePolicy"]
 
@@ -41,6 +42,9 @@ ROWS, POSITIONS = "rows", "positions"
 # with an unbacked size instead of breaking it: the graph after such an op would otherwise be
 # recompiled for every new size (every length mix)
 _CAPTURE_DYNAMIC_OUTPUTS = torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+# built once and reused (re-entrant): torch's ``config.patch`` leaves a fresh ContextVar in the
+# caller's context per patch object, so one built per call would grow the context every call
+_NO_DUCK_SHAPE = fx_config.patch(use_duck_shape=False)
 
 
 def _flat_tensors(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
@@ -111,9 +115,7 @@ class ShapePolicy:
         elif self.enabled and self.dynamic:
             self._mark(flat)
         try:
-            from torch.fx.experimental import _config as fx_config
-
-            with fx_config.patch(use_duck_shape=False), _CAPTURE_DYNAMIC_OUTPUTS:
+            with _NO_DUCK_SHAPE, _CAPTURE_DYNAMIC_OUTPUTS:
                 yield
         finally:
             if self.first is None and state.compiles > compiles:

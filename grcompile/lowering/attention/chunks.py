@@ -19,6 +19,11 @@ from ..score_mod import get_score_mod
 from .dropout import dropout_keep
 from .validation import _OP
 
+# built once, reused by every call: torch's ``config.patch`` leaves a fresh ContextVar in the caller's
+# context per patch object, so a patch built per call grows the context by one entry per call
+_NO_DUCK_SHAPE = fx_config.patch(use_duck_shape=False)
+
+
 def _chunk_attention(qb, kb, vb, q_pos, k_pos, k_valid, q_sides, k_sides, tables, q_tok, k_tok, seed, dropout_p,
                      *, mod, use_qk, activation, scale, out_scale, causal, dropout):
     """qb [n, H, Lq, dqk], kb [n, H, Lk, dqk], vb [n, H, Lk, dv]; q_pos/q_sides/q_tok [n, Lq];
@@ -109,7 +114,7 @@ class _CompiledChunk:
         if self.failed:
             return self.eager(*args, **kwargs)
         try:
-            with fx_config.patch(use_duck_shape=False):
+            with _NO_DUCK_SHAPE:
                 return self.compiled(*args, **kwargs)
         except _compile_errors() as error:
             self.give_up(error)
