@@ -61,14 +61,22 @@ def plot(runs: list[tuple[str, list[float]]], path: str, width: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    for (label, losses), color in zip(runs, ("#1f77b4", "#d62728", "#2ca02c", "#7f7f7f")):
+    fig, (ax, gap_ax) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
+    averaged = []
+    for (label, losses), color, style in zip(runs, ("#1f77b4", "#d62728", "#2ca02c", "#7f7f7f"), ("-", "--", ":", "-.")):
         ax.plot(losses, color=color, alpha=0.2, linewidth=0.6)
-        ax.plot(moving_average(losses, width), color=color, label=f"{label} (moving average of {width})")
-    ax.set_xlabel("training step")
+        averaged.append(moving_average(losses, width))
+        ax.plot(averaged[-1], color=color, linestyle=style, label=f"{label} (moving average of {width})")
     ax.set_ylabel("loss")
     ax.legend()
     ax.grid(alpha=0.3)
+    # the curves overlap at this scale: their difference is what a reader wants to see
+    steps = min(len(a) for a in averaged[:2])
+    gap_ax.plot([averaged[1][i] - averaged[0][i] for i in range(steps)], color="#444444")
+    gap_ax.axhline(0.0, color="#999999", linewidth=0.8)
+    gap_ax.set_ylabel(f"{runs[1][0].split()[-1]} − {runs[0][0].split()[-1]}")
+    gap_ax.set_xlabel("training step")
+    gap_ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
