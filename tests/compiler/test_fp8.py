@@ -5,12 +5,14 @@ FP8 math (straight-through backward) — in float32 and under bf16 autocast, tra
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 import torch.nn as nn
 
 import grcompile
+from grcompile.lowering import OPS, use_backend
 from models import build_encoder
 from tests.fp8_emulation import assert_fp8_close, emulated_fp8_linears
 from tests.passes.test_fuse_attention import random_batch
@@ -127,6 +129,29 @@ def test_fp8_under_inductor_matches_eager_lowering() -> None:
     want, want_grads = _run(grcompile.optimize(a, lowering="eager", precision="fp8"), ids, ts, valid, False, a)
     torch._dynamo.reset()
     got, got_grads = _run(grcompile.optimize(b, precision="fp8"), ids, ts, valid, False, b)
+    assert_fp8_close(got, want, rtol=1e-4, atol=1e-5, what="output")
+    for name, g in want_grads.items():
+        assert_fp8_close(got_grads[name], g, rtol=1e-4, atol=1e-5, what=f"gradient of {name}")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton kernels run on CPU only under TRITON_INTERPRET=1 set before Triton is imported")
+def test_fp8_model_with_the_triton_kernels_equals_the_model_with_fp8_linears() -> None:
+    """The whole model through the Triton kernels (norm_quant_fp8, scaled_linear_fp8, in Triton's
+    interpreter) on jagged values, forward and backward."""
+    torch.manual_seed(0)
+    enc = build_encoder("hstu", "ml1m", num_items=50, max_len=16, dropout=0.0, **FP8_DIMS)
+    ids, ts = random_batch([0, 1, 16, 9], 16)
+    valid = (ids != 0).float()
+    twin = copy.deepcopy(enc)
+    with emulated_fp8_linears():
+        want, want_grads = _run(enc, ids, ts, valid, False, enc)
+    optimized = grcompile.optimize(twin, lowering="eager", precision="fp8")
+    before = {name: dict(OPS[name].calls) for name in ("norm_quant_fp8", "scaled_linear_fp8")}
+    with use_backend("triton"):
+        got, got_grads = _run(optimized, ids, ts, valid, False, twin)
+    for name, calls in before.items():
+        assert OPS[name].calls["triton"] > calls.get("triton", 0), f"{name} did not run its Triton kernel"
     assert_fp8_close(got, want, rtol=1e-4, atol=1e-5, what="output")
     for name, g in want_grads.items():
         assert_fp8_close(got_grads[name], g, rtol=1e-4, atol=1e-5, what=f"gradient of {name}")
