@@ -150,7 +150,7 @@ def _scaled_linear_reference(q, scale, weight, bias, residual, *, out_dtype) -> 
     with torch.autocast(q.device.type, enabled=False):
         wq, wscale = quantize_rowwise(weight)
         acc = torch.matmul(q.float(), wq.float().t())
-        y = acc * (scale * wscale.t())
+        y = acc * (scale * wscale.squeeze(-1))  # [..., 1] x [N]: a 1-D input's output stays [N]
         if bias is not None:
             y = y + bias.float()
         if residual is not None:
