@@ -15,6 +15,11 @@ Emits: ``fp8_linear(x, u, weight, bias, residual, norm=, eps=, out_dtype=)``, wh
   ``residual=r``, summed in the GEMM's float32 epilogue, ``out_dtype`` the add's result dtype
   (under autocast: float32 for a float32 residual stream, as eager's add promotes).
 
+Neither fusion reaches across a node with an effect (an in-place write, a ``no_grad`` / autocast
+switch, a call_module): the fused op runs where the add (or the linear) was and would read what
+the write left, or run in the other mode. The graphs of higher-order ops (checkpoint bodies,
+``torch.cond`` branches) are converted as well, as copies.
+
 Skips (counted; the layer stays in the model's precision): float64 or integer values, unaligned
 ``K`` / ``N`` (reported: the user asked for FP8), non-2-D weights, missing shapes, and 1×1
 convolutions the jagged rewrite spelled as linears (FP8 covers linear layers, as torchao's float8
@@ -28,13 +33,14 @@ Runs after ``fuse_norm_gate`` (it reads the fused norms).
 """
 from __future__ import annotations
 
+import inspect
 import operator
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .pass_manager import GraphPass, PassContext
+from .pass_manager import GraphPass, PassContext, copy_graph
 from ..lowering.fp8 import FP8_LINEAR
 from ..lowering.norm import GATED_NORM
 from .row_spellings import WRITTEN_AS
@@ -43,11 +49,49 @@ from .symbolic import known_eq
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ALIGN = 16
+_IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                       operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
+                       operator.ilshift, operator.irshift, operator.setitem)
 
 
 def _tensor(node) -> torch.Tensor | None:
     value = example(node) if isinstance(node, fx.Node) else None
     return value if isinstance(value, torch.Tensor) else None
+
+
+def _has_effect(node: fx.Node) -> bool:
+    """Whether an op moved past ``node`` could notice it: an in-place write (Dynamo's graph keeps
+    the user's ``a.add_(1)``, ``a[i] = v``, ``relu(a, inplace=True)``, ``out=``) or a mode switch
+    (a ``torch.no_grad()`` / autocast block is ``_set_grad_enabled`` / ``_enter_autocast`` nodes
+    that nothing reads: a node without users is in the graph for its effect)."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if node.op == "call_module" or not node.users:
+        return True  # unknown code, or a node kept for its effect: assume the worst
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__") or node.target == "__setitem__"
+    if any(node.target is op for op in _IN_PLACE_OPERATORS) or node.kwargs.get("out") is not None:
+        return True
+    name = getattr(node.target, "__name__", "")
+    if name.endswith("_") and not name.endswith("__") or getattr(getattr(node.target, "_schema", None),
+                                                                  "is_mutable", False):
+        return True
+    try:
+        params = list(inspect.signature(node.target).parameters)
+    except (TypeError, ValueError):  # builtins without a signature
+        return node.kwargs.get("inplace") is True
+    return "inplace" in params and arg(node, params.index("inplace"), "inplace") is True
+
+
+def _nothing_happens_between(first: fx.Node, last: fx.Node) -> bool:
+    """No node strictly between ``first`` and ``last`` (graph order) has an effect: the fused op,
+    which runs at ``last`` and reads what ``first`` read, sees the same values in the same modes."""
+    node = first.next
+    while node is not last:
+        if node.op == "root" or _has_effect(node):
+            return False
+        node = node.next
+    return True
 
 
 def _norm_of(a: fx.Node, linear: fx.Node) -> tuple[list[fx.Node], fx.Node, fx.Node | None, str, float] | None:
@@ -58,6 +102,8 @@ def _norm_of(a: fx.Node, linear: fx.Node) -> tuple[list[fx.Node], fx.Node, fx.No
         chain.append(a)
         a, reader = a.args[0], a
     if not isinstance(a, fx.Node) or a.op != "call_function" or a.target is not GATED_NORM or set(a.users) != {reader}:
+        return None
+    if not _nothing_happens_between(a, linear):  # the fused op normalises at the linear, not at the norm
         return None
     x, u = a.args
     return chain + [a], x, u, a.kwargs["kind"], float(a.kwargs["eps"])
@@ -77,6 +123,8 @@ def _residual_of(linear: fx.Node, out: torch.Tensor) -> tuple[fx.Node, fx.Node, 
         return None
     if rv.dim() != out.dim() or not all(known_eq(p, q) for p, q in zip(rv.shape, out.shape)):
         return None  # a broadcast residual (a 1-D bias) is the linear's own bias, not a residual
+    if not _nothing_happens_between(linear, add):  # the fused op multiplies at the add, not at the linear
+        return None
     return add, r, sv.dtype
 
 
@@ -96,13 +144,39 @@ def _match(node: fx.Node) -> str | None:
     return None
 
 
+def _attribute(gm: fx.GraphModule, target: str) -> object:
+    """``gm``'s attribute at the dotted path ``target`` (a get_attr node's), or None."""
+    value: object = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
 class Fp8Linear(GraphPass):
     name = "fp8_linear"
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         refresh_example_values(gm, strict=False)
+        self._convert(gm, ctx)
+
+    def _convert(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        """Converts ``gm``'s linears and those of the graphs its higher-order ops run
+        (``torch.utils.checkpoint``'s body, ``torch.cond``'s branches: Dynamo keeps them as
+        submodules, and their linears are the user's linears as much as the top graph's)."""
         g = gm.graph
         for node in list(g.nodes):
+            if node.op == "get_attr":
+                sub = _attribute(gm, node.target)
+                if isinstance(sub, fx.GraphModule) and sub is not gm:
+                    # a converted copy: the pass manager's rollback restores gm's module table,
+                    # not the insides of the submodules it holds
+                    body = fx.GraphModule(sub, copy_graph(sub.graph), type(sub).__name__)
+                    self._convert(body, ctx)
+                    body.graph.lint()
+                    body.recompile()
+                    owner, _, leaf = node.target.rpartition(".")
+                    setattr(_attribute(gm, owner) if owner else gm, leaf, body)
+                continue
             if node.op == "call_function" and node.target is F.multi_head_attention_forward:
                 query = _tensor(arg(node, 0, "query"))
                 ctx.count("skipped_whole_attention_module")
