@@ -30,7 +30,7 @@ class _EmulatedFp8Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g = dy.float()
         rows = g.reshape(-1, g.shape[-1])
-        dweight = rows.t() @ dequantize(*quantize_rowwise(x)).reshape(rows.shape[0], -1)
+        dweight = rows.t() @ dequantize(*quantize_rowwise(x)).reshape(rows.shape[0], x.shape[-1])
         return (g @ weight.float()).to(x.dtype), dweight.to(weight.dtype), \
             rows.sum(0) if ctx.has_bias else None, None
 
