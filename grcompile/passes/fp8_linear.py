@@ -13,7 +13,8 @@ Emits: ``fp8_linear(x, u, weight, bias, residual, norm=, eps=, out_dtype=)``, wh
   keeps its place and its random stream);
 * the linear's only user is ``r + linear(...)`` (either order, ``r`` of the output's shape) →
   ``residual=r``, summed in the GEMM's float32 epilogue, ``out_dtype`` the add's result dtype
-  (under autocast: float32 for a float32 residual stream, as eager's add promotes).
+  (under autocast: float32 for a float32 residual stream, as eager's add promotes) and
+  ``gemm_dtype`` the linear's own (bf16 there: rounded before the add, as eager rounds it).
 
 Neither fusion reaches across a node with an effect (an in-place write, a ``no_grad`` / autocast
 switch, a call_module): the fused op runs where the add (or the linear) was and would read what
@@ -201,8 +202,11 @@ class Fp8Linear(GraphPass):
             residual = _residual_of(node, _tensor(node))
             replaced, r, out_dtype = residual if residual is not None else (node, None, _tensor(node).dtype)
             with g.inserting_before(replaced):
-                fused = g.call_function(FP8_LINEAR, (x, u, weight, bias, r),
-                                        {"norm": kind, "eps": eps, "out_dtype": out_dtype})
+                # gemm_dtype: where the user's linear rounds its result before their residual add
+                options = {"norm": kind, "eps": eps, "out_dtype": out_dtype}
+                if r is not None and _tensor(node).dtype != torch.float32:
+                    options["gemm_dtype"] = _tensor(node).dtype
+                fused = g.call_function(FP8_LINEAR, (x, u, weight, bias, r), options)
             fused.meta = dict(replaced.meta)
             if "stack_trace" in node.meta:  # report the user's linear line
                 fused.meta["stack_trace"] = node.meta["stack_trace"]

@@ -3,8 +3,8 @@
 
     quantize_fp8(v [..., K]) -> (q e4m3 [..., K], scale f32 [..., 1])          v ≈ q · scale
     norm_quant_fp8(x, u | None, *, kind, eps) -> (q, scale)      = quantize_fp8(gated_norm(x, u))
-    scaled_linear_fp8(q, scale, weight [N, K], bias | None, residual | None, *, out_dtype) -> [..., N]
-    fp8_linear(x, u | None, weight, bias | None, residual | None, *, norm, eps, out_dtype)   (differentiable)
+    scaled_linear_fp8(q, scale, weight [N, K], bias | None, residual | None, *, out_dtype, gemm_dtype=None) -> [..., N]
+    fp8_linear(x, u | None, weight, bias | None, residual | None, *, norm, eps, out_dtype, gemm_dtype=None)
 
 Row-wise quantisation (one scale per row; the weight: one per output channel), the recipe the
 field uses for FP8 training GEMMs (torchao's ``Float8LinearRecipeName.ROWWISE``; ``_scaled_mm``'s
@@ -13,8 +13,11 @@ row-wise scales on sm_90):
     amax = max |v| over the row (float32; a zero row uses AMAX_FLOOR), scale = amax / 448,
     q = e4m3(clamp(v · (448 / amax), ±448))        (round to nearest even, as the hardware converts)
 
-GEMM: ``acc = q @ q_wᵀ`` accumulated in float32, ``y = acc · (scale · scale_wᵀ) + bias + residual``
-in float32, rounded once to ``out_dtype``. The residual is a full ``[..., N]`` tensor (HSTU's
+GEMM: ``acc = q @ q_wᵀ`` accumulated in float32, ``g = acc · (scale · scale_wᵀ) + bias`` in
+float32; with a residual, ``y = round(g, gemm_dtype) + residual`` in float32 — ``gemm_dtype`` is the
+dtype the user's own linear returns, so ``r + linear(...)`` rounds where theirs does (under bf16
+autocast: the linear's bf16 result added to a float32 residual stream); None: no rounding there —;
+``y`` rounded to ``out_dtype``. The residual is a full ``[..., N]`` tensor (HSTU's
 ``x + output(...)``): ``_scaled_mm`` takes a 1-D bias only, hence the Triton kernel.
 
 ``fp8_linear`` is what the ``fp8_linear`` pass emits: ``norm`` = ``"layer"`` | ``"rms"`` quantises
@@ -119,7 +122,7 @@ def _(x, u, *, kind, eps):
 
 # ---- scaled_linear_fp8 ------------------------------------------------------------------------
 
-def _check_gemm(op: str, x: torch.Tensor, weight, bias, residual, out_dtype) -> None:
+def _check_gemm(op: str, x: torch.Tensor, weight, bias, residual, out_dtype, gemm_dtype=None) -> None:
     """Shapes, dtypes and devices of a GEMM of ``x [..., K]`` (its input, quantised or not)."""
     if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         _fail(op, f"weight must be [N, K={x.shape[-1] if x.dim() else '?'}], got {tuple(weight.shape)}")
@@ -129,32 +132,33 @@ def _check_gemm(op: str, x: torch.Tensor, weight, bias, residual, out_dtype) -> 
         _fail(op, f"bias must be a float [{weight.shape[0]}], got {bias.dtype} {tuple(bias.shape)}")
     if residual is not None and (residual.shape != out_shape or residual.dtype not in _DTYPES):
         _fail(op, f"residual must be a float {out_shape}, got {residual.dtype} {tuple(residual.shape)}")
-    if out_dtype not in _DTYPES:
-        _fail(op, f"out_dtype must be float32 / bfloat16 / float16, got {out_dtype}")
+    for name, dtype in (("out_dtype", out_dtype), ("gemm_dtype", gemm_dtype)):
+        if dtype is not None and dtype not in _DTYPES or name == "out_dtype" and dtype is None:
+            _fail(op, f"{name} must be float32 / bfloat16 / float16, got {dtype}")
     for name, t in (("weight", weight), ("bias", bias), ("residual", residual)):
         if t is not None and t.device != x.device:
             _fail(op, f"{name} is on {t.device} but the input is on {x.device}")
 
 
-def _check_linear(q, scale, weight, bias, residual, out_dtype) -> None:
+def _check_linear(q, scale, weight, bias, residual, out_dtype, gemm_dtype=None) -> None:
     op = "scaled_linear_fp8"
     if q.dtype != FP8_DTYPE or q.dim() < 1:
         _fail(op, f"q must be a {FP8_DTYPE} tensor [..., K], got {q.dtype} of {q.dim()} dims")
     if scale.dtype != torch.float32 or scale.shape != (*q.shape[:-1], 1) or scale.device != q.device:
         _fail(op, f"scale must be float32 {(*q.shape[:-1], 1)} on {q.device}, "
                   f"got {scale.dtype} {tuple(scale.shape)} on {scale.device}")
-    _check_gemm(op, q, weight, bias, residual, out_dtype)
+    _check_gemm(op, q, weight, bias, residual, out_dtype, gemm_dtype)
 
 
-def _scaled_linear_reference(q, scale, weight, bias, residual, *, out_dtype) -> torch.Tensor:
+def _scaled_linear_reference(q, scale, weight, bias, residual, *, out_dtype, gemm_dtype=None) -> torch.Tensor:
     with torch.autocast(q.device.type, enabled=False):
         wq, wscale = quantize_rowwise(weight)
         acc = torch.matmul(q.float(), wq.float().t())
         y = acc * (scale * wscale.squeeze(-1))  # [..., 1] x [N]: a 1-D input's output stays [N]
         if bias is not None:
             y = y + bias.float()
-        if residual is not None:
-            y = y + residual.float()
+        if residual is not None:  # the user's linear result, rounded as theirs is, then their add
+            y = (y if gemm_dtype is None else y.to(gemm_dtype).float()) + residual.float()
     return y.to(out_dtype)
 
 
@@ -164,22 +168,24 @@ register_op("scaled_linear_fp8", reference=_scaled_linear_reference,
 
 @torch.library.custom_op("grcompile::scaled_linear_fp8", mutates_args=())
 def scaled_linear_fp8(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      residual: Optional[torch.Tensor], *, out_dtype: torch.dtype) -> torch.Tensor:
-    """``(q · scale) @ e4m3(weight)ᵀ + bias + residual`` as ``out_dtype``; see the module docstring."""
-    _check_linear(q, scale, weight, bias, residual, out_dtype)
+                      residual: Optional[torch.Tensor], *, out_dtype: torch.dtype,
+                      gemm_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``round((q · scale) @ e4m3(weight)ᵀ + bias, gemm_dtype) + residual`` as ``out_dtype``; see the
+    module docstring."""
+    _check_linear(q, scale, weight, bias, residual, out_dtype, gemm_dtype)
     fn = lookup("scaled_linear_fp8", q.device.type)
-    return fn(q, scale, weight, bias, residual, out_dtype=out_dtype).contiguous()
+    return fn(q, scale, weight, bias, residual, out_dtype=out_dtype, gemm_dtype=gemm_dtype).contiguous()
 
 
 @scaled_linear_fp8.register_fake
-def _(q, scale, weight, bias, residual, *, out_dtype):
-    _check_linear(q, scale, weight, bias, residual, out_dtype)
+def _(q, scale, weight, bias, residual, *, out_dtype, gemm_dtype=None):
+    _check_linear(q, scale, weight, bias, residual, out_dtype, gemm_dtype)
     return q.new_empty((*q.shape[:-1], weight.shape[0]), dtype=out_dtype)
 
 
 # ---- fp8_linear: the differentiable composite the pass emits ------------------------------------
 
-def _check_fp8_linear(x, u, weight, bias, residual, norm, eps, out_dtype) -> None:
+def _check_fp8_linear(x, u, weight, bias, residual, norm, eps, out_dtype, gemm_dtype=None) -> None:
     if norm not in NORMS:
         _fail("fp8_linear", f"norm must be one of {NORMS}, got {norm!r}")
     _check_float("fp8_linear", "x", x)
@@ -188,7 +194,7 @@ def _check_fp8_linear(x, u, weight, bias, residual, norm, eps, out_dtype) -> Non
             _fail("fp8_linear", "u (the gate) needs a norm")
     else:
         _check_norm(x, u, norm, eps)
-    _check_gemm("fp8_linear", x, weight, bias, residual, out_dtype)
+    _check_gemm("fp8_linear", x, weight, bias, residual, out_dtype, gemm_dtype)
 
 
 def _quantized_input(x: torch.Tensor, u: Optional[torch.Tensor], norm: str, eps: float) -> list[torch.Tensor]:
@@ -199,18 +205,20 @@ def _quantized_input(x: torch.Tensor, u: Optional[torch.Tensor], norm: str, eps:
 
 @torch.library.custom_op("grcompile::fp8_linear", mutates_args=())
 def fp8_linear(x: torch.Tensor, u: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor],
-               residual: Optional[torch.Tensor], *, norm: str, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+               residual: Optional[torch.Tensor], *, norm: str, eps: float, out_dtype: torch.dtype,
+               gemm_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``residual + linear(N(x, u), weight, bias)`` with the GEMM in FP8 (row-wise scales);
     ``N`` = ``gated_norm`` (``norm`` "layer" / "rms") or the identity ("none")."""
-    _check_fp8_linear(x, u, weight, bias, residual, norm, eps, out_dtype)
+    _check_fp8_linear(x, u, weight, bias, residual, norm, eps, out_dtype, gemm_dtype)
     with torch.autocast(x.device.type, enabled=False):
         q, scale = _quantized_input(x, u, norm, eps)
-        return torch.ops.grcompile.scaled_linear_fp8(q, scale, weight, bias, residual, out_dtype=out_dtype)
+        return torch.ops.grcompile.scaled_linear_fp8(q, scale, weight, bias, residual, out_dtype=out_dtype,
+                                                     gemm_dtype=gemm_dtype)
 
 
 @fp8_linear.register_fake
-def _(x, u, weight, bias, residual, *, norm, eps, out_dtype):
-    _check_fp8_linear(x, u, weight, bias, residual, norm, eps, out_dtype)
+def _(x, u, weight, bias, residual, *, norm, eps, out_dtype, gemm_dtype=None):
+    _check_fp8_linear(x, u, weight, bias, residual, norm, eps, out_dtype, gemm_dtype)
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
 
 

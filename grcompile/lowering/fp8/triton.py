@@ -2,7 +2,7 @@
 e4m3 input, and the row-wise scaled FP8 GEMM with a 2-D residual in its epilogue.
 
     norm_quant_fp8_triton(x, u, *, kind, eps) -> [q, scale]          (the ``norm_quant_fp8`` slot)
-    scaled_linear_fp8_triton(q, scale, weight, bias, residual, *, out_dtype) -> y   (``scaled_linear_fp8``)
+    scaled_linear_fp8_triton(q, scale, weight, bias, residual, *, out_dtype, gemm_dtype=None) -> y
     aot_configs() -> list[dict]                                        (configs the AOT report compiles)
 
 **norm_quant_fp8**: one program takes a block of rows (every leading dim flattened) whole in
@@ -25,8 +25,10 @@ registry, warned once); empty inputs launch nothing.
 :func:`quantize_rowwise` (plain torch: one elementwise pass per call), then a tiled GEMM
 (:func:`scaled_fp8_gemm`): ``tl.dot`` of e4m3 tiles into a float32 accumulator (``wgmma`` with
 e4m3 operands on sm_90), masked edges (any M, N, K), grouped tile order for L2 reuse, and the
-epilogue ``y = acc · (scale_row · wscale_col) + bias + residual`` in float32 (the reference's order)
-with the 2-D residual tile loaded there, rounded once to ``out_dtype``. It agrees with the
+epilogue ``y = round(acc · (scale_row · wscale_col) + bias, gemm_dtype) + residual`` in float32 (the
+reference's order; the rounding only where ``gemm_dtype`` is given and narrower than float32, as the
+user's linear rounds before their residual add) with the 2-D residual tile loaded there, rounded to
+``out_dtype``. It agrees with the
 reference up to float32 summation order. ``torch._scaled_mm`` (row-wise scales) is not used even
 where it could run (residual None, sm_90, dims multiples of 16): its row-wise path's constraints
 (output and bias dtypes) vary across torch versions and no GPU was at hand to verify it, and this
@@ -62,6 +64,7 @@ from . import AMAX_FLOOR, FP8_DTYPE, _norm_quant_reference, _scaled_linear_refer
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _TL_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _FLOOR = tl.constexpr(AMAX_FLOOR)  # a jit function reads module globals only as constexprs
 
 
@@ -180,7 +183,8 @@ def _e4m3_to_fp16(c):
 @triton.jit
 def scaled_fp8_gemm(A, B, SA, SB, BIAS, R, Y, M, N, K, sam, sbn, srm,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, FP8_DOT: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, FP8_DOT: tl.constexpr,
+                    GEMM_DT: tl.constexpr = tl.float32):
     """``Y [M, N] = (A [M, K] @ B [N, K]ᵀ) · (SA ⊗ SB) + BIAS + R``: A, B e4m3 codes with unit K
     stride (``FP8_DOT``: e4m3 pointers multiplied as they are; else uint8 pointers decoded to fp16
     in registers), R with unit column stride, Y contiguous."""
@@ -216,6 +220,8 @@ def scaled_fp8_gemm(A, B, SA, SB, BIAS, R, Y, M, N, K, sam, sbn, srm,
         y = y + tl.load(BIAS + rn, mask=in_n, other=0.0).to(tl.float32)[None, :]
     mask = in_m[:, None] & in_n[None, :]
     if HAS_RES:
+        if GEMM_DT != tl.float32:
+            y = y.to(GEMM_DT).to(tl.float32)
         y = y + tl.load(R + rm.to(tl.int64)[:, None] * srm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + rm.to(tl.int64)[:, None] * N + rn[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
@@ -236,8 +242,9 @@ def _gemm_meta(M: int, fp8_dot: bool, interpreted: bool) -> dict:
 
 
 def scaled_linear_fp8_triton(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                             residual: Optional[torch.Tensor], *, out_dtype: torch.dtype) -> torch.Tensor:
-    """``(q · scale) @ e4m3(weight)ᵀ + bias + residual`` as ``out_dtype`` by :func:`scaled_fp8_gemm`:
+                             residual: Optional[torch.Tensor], *, out_dtype: torch.dtype,
+                             gemm_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``round((q · scale) @ e4m3(weight)ᵀ + bias, gemm_dtype) + residual`` as ``out_dtype`` by :func:`scaled_fp8_gemm`:
     the e4m3 dot on sm_89+ and in the interpreter, the fp16-decoded one on sm_80 .. sm_88, the
     reference elsewhere (older GPUs, other devices; noted and warned once)."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -245,14 +252,14 @@ def scaled_linear_fp8_triton(q: torch.Tensor, scale: torch.Tensor, weight: torch
     if not interpreted and (cc is None or cc < (8, 0)):
         where = f"{q.device.type}" + (f" sm_{cc[0]}{cc[1]}" if cc else "")
         _note_fallback("scaled_linear_fp8", where, f"no kernel for {where} (needs CUDA sm_80+)")
-        return _scaled_linear_reference(q, scale, weight, bias, residual, out_dtype=out_dtype)
-    return scaled_linear_fp8_launch(q, scale, weight, bias, residual, out_dtype=out_dtype,
+        return _scaled_linear_reference(q, scale, weight, bias, residual, out_dtype=out_dtype, gemm_dtype=gemm_dtype)
+    return scaled_linear_fp8_launch(q, scale, weight, bias, residual, out_dtype=out_dtype, gemm_dtype=gemm_dtype,
                                     fp8_dot=interpreted or cc >= (8, 9), interpreted=interpreted)
 
 
 def scaled_linear_fp8_launch(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                              residual: Optional[torch.Tensor], *, out_dtype: torch.dtype, fp8_dot: bool,
-                             interpreted: bool) -> torch.Tensor:
+                             interpreted: bool, gemm_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """One launch of :func:`scaled_fp8_gemm` (``fp8_dot``: e4m3 operands, else decoded to fp16;
     the tests run both paths in the interpreter)."""
     K, N = q.shape[-1], weight.shape[0]
@@ -273,7 +280,9 @@ def scaled_linear_fp8_launch(q: torch.Tensor, scale: torch.Tensor, weight: torch
     sb = wscale.reshape(N)
     scaled_fp8_gemm[grid](a, b, scale.reshape(M).contiguous(), sb, sb if bias is None else bias.contiguous(),
                           y if r is None else r, y, M, N, K, max(K, 1), max(K, 1), 0 if r is None else r.stride(0),
-                          **c, HAS_BIAS=bias is not None, HAS_RES=r is not None, num_warps=meta["num_warps"],
+                          **c, HAS_BIAS=bias is not None, HAS_RES=r is not None,
+                          GEMM_DT=_TL_DTYPE[gemm_dtype] if r is not None and gemm_dtype is not None else tl.float32,
+                          num_warps=meta["num_warps"],
                           num_stages=meta["num_stages"])
     return y
 
@@ -314,7 +323,9 @@ def aot_configs() -> list[dict]:
             out, codes = "*" + _TL_NAME[out_dtype], "*fp8e4nv" if fp8_dot else "*u8"
             signature = {"A": codes, "B": codes, "SA": "*fp32", "SB": "*fp32", "BIAS": "*bf16", "R": out, "Y": out}
             signature.update({a: "i32" for a in ("M", "N", "K", "sam", "sbn", "srm")})
-            constexprs = dict(meta["constexprs"], HAS_BIAS=has_bias, HAS_RES=has_res)
+            # with a residual, the autocast case: the linear's result rounded to bf16 before the add
+            constexprs = dict(meta["constexprs"], HAS_BIAS=has_bias, HAS_RES=has_res,
+                              GEMM_DT=tl.bfloat16 if has_res else tl.float32)
             signature.update({c: "constexpr" for c in constexprs})
             tile = "x".join(str(constexprs[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
             configs.append(dict(kernel="scaled_fp8_gemm", fn=scaled_fp8_gemm, signature=signature,
