@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .pass_manager import GraphPass, PassContext, copy_graph
+from .pass_manager import GraphPass, PassContext, copy_graph, substitute
 from ..lowering.fp8 import FP8_LINEAR
 from ..lowering.norm import GATED_NORM
 from .row_spellings import WRITTEN_AS
@@ -207,13 +207,7 @@ class Fp8Linear(GraphPass):
                 if r is not None and _tensor(node).dtype != torch.float32:
                     options["gemm_dtype"] = _tensor(node).dtype
                 fused = g.call_function(FP8_LINEAR, (x, u, weight, bias, r), options)
-            fused.meta = dict(replaced.meta)
-            if "stack_trace" in node.meta:  # report the user's linear line
-                fused.meta["stack_trace"] = node.meta["stack_trace"]
-            replaced.replace_all_uses_with(fused)
-            g.erase_node(replaced)
-            if replaced is not node:
-                g.erase_node(node)
+            substitute(g, fused, replaced, node)  # reports name the user's linear line
             for gone in absorbed:  # the identity dropouts, then the norm
                 g.erase_node(gone)
             ctx.rewrite("fp8_linear", fused, norm=kind, residual=r is not None)

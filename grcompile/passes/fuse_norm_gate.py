@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .pass_manager import GraphPass, PassContext
+from .pass_manager import GraphPass, PassContext, substitute
 from ..lowering.norm import GATED_NORM
 from .op_semantics import arg, canonical, example, refresh_example_values
 from .symbolic import known_eq
@@ -97,13 +97,7 @@ class FuseNormGate(GraphPass):
             with g.inserting_before(replaced):
                 fused = g.call_function(GATED_NORM, (node.args[0], u),
                                         {"kind": kind, "eps": eps})
-            fused.meta = dict(replaced.meta)
-            if "stack_trace" in node.meta:  # report the user's norm line
-                fused.meta["stack_trace"] = node.meta["stack_trace"]
-            replaced.replace_all_uses_with(fused)
-            g.erase_node(replaced)
-            if replaced is not node:
-                g.erase_node(node)
+            substitute(g, fused, replaced, node)  # reports name the user's norm line
             ctx.rewrite("gated_norm" if u is not None else "norm", fused, kind=kind, eps=eps)
 
 

@@ -20,7 +20,8 @@ from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
-__all__ = ["GraphPass", "PassContext", "PassResult", "copy_graph", "node_site", "pass_name", "run_pipeline"]
+__all__ = ["GraphPass", "PassContext", "PassResult", "copy_graph", "node_site", "pass_name", "run_pipeline",
+           "substitute"]
 
 
 class GraphPass:
@@ -151,6 +152,19 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
             if hasattr(old, attr):
                 setattr(new, attr, getattr(old, attr))
     return saved
+
+
+def substitute(graph: fx.Graph, fused: fx.Node, replaced: fx.Node, source: fx.Node) -> None:
+    """Put ``fused`` (already inserted) in place of ``replaced`` — the last node of a matched chain
+    that starts at ``source`` (``replaced`` itself or its user) — and erase both. ``fused`` keeps
+    ``replaced``'s meta (its value) and ``source``'s stack trace (the user's line reports name)."""
+    fused.meta = dict(replaced.meta)
+    if "stack_trace" in source.meta:
+        fused.meta["stack_trace"] = source.meta["stack_trace"]
+    replaced.replace_all_uses_with(fused)
+    graph.erase_node(replaced)
+    if replaced is not source:
+        graph.erase_node(source)
 
 
 def run_pipeline(gm: fx.GraphModule, passes: Sequence[GraphPass], ctx: PassContext,

@@ -42,16 +42,18 @@ def _fp8_rewrites(optimized, graph: int = 0) -> list[tuple]:
                   if r["pass"] == "fp8_linear" and r["graph"] == graph)
 
 
-@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-@pytest.mark.parametrize("model", ["hstu", "fuxi"])
-def test_fp8_model_equals_the_model_with_fp8_linears(model: str, autocast: bool) -> None:
+def _model_and_batch(model: str):
+    """``(eager encoder, its twin to optimize, (ids, timestamps, valid))``: lengths 0, 1, full, 9."""
     torch.manual_seed(0)
     enc = build_encoder(model, "ml1m", num_items=50, max_len=16, dropout=0.0, **FP8_DIMS)
     ids, ts = random_batch([0, 1, 16, 9], 16)
-    valid = (ids != 0).float()
-    twin = copy.deepcopy(enc)
-    with emulated_fp8_linears():
-        want, want_grads = _run(enc, ids, ts, valid, autocast, enc)
+    return enc, copy.deepcopy(enc), (ids, ts, (ids != 0).float())
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("model", ["hstu", "fuxi"])
+def test_fp8_model_equals_the_model_with_fp8_linears(model: str, autocast: bool) -> None:
+    enc, twin, (ids, ts, valid) = _model_and_batch(model)
     optimized = grcompile.optimize(twin, lowering="eager", precision="fp8")
     for mode in ("train", "eval", "train"):  # one optimized module through train -> eval -> train
         twin.train(mode == "train")
@@ -121,11 +123,7 @@ def test_precision_option_is_checked() -> None:
 
 
 def test_fp8_under_inductor_matches_eager_lowering() -> None:
-    torch.manual_seed(0)
-    enc = build_encoder("hstu", "ml1m", num_items=50, max_len=16, dropout=0.0, **FP8_DIMS)
-    ids, ts = random_batch([0, 1, 16, 9], 16)
-    valid = (ids != 0).float()
-    a, b = copy.deepcopy(enc), copy.deepcopy(enc)
+    a, b, (ids, ts, valid) = _model_and_batch("hstu")
     want, want_grads = _run(grcompile.optimize(a, lowering="eager", precision="fp8"), ids, ts, valid, False, a)
     torch._dynamo.reset()
     got, got_grads = _run(grcompile.optimize(b, precision="fp8"), ids, ts, valid, False, b)
@@ -139,11 +137,7 @@ def test_fp8_under_inductor_matches_eager_lowering() -> None:
 def test_fp8_model_with_the_triton_kernels_equals_the_model_with_fp8_linears() -> None:
     """The whole model through the Triton kernels (norm_quant_fp8, scaled_linear_fp8, in Triton's
     interpreter) on jagged values, forward and backward."""
-    torch.manual_seed(0)
-    enc = build_encoder("hstu", "ml1m", num_items=50, max_len=16, dropout=0.0, **FP8_DIMS)
-    ids, ts = random_batch([0, 1, 16, 9], 16)
-    valid = (ids != 0).float()
-    twin = copy.deepcopy(enc)
+    enc, twin, (ids, ts, valid) = _model_and_batch("hstu")
     with emulated_fp8_linears():
         want, want_grads = _run(enc, ids, ts, valid, False, enc)
     optimized = grcompile.optimize(twin, lowering="eager", precision="fp8")

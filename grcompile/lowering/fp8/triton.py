@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from ..norm import _check as _check_norm
-from ..norm.triton import MAX_D, _load_rows, _meta as _norm_meta, _stats, _strides, _view3
+from ..norm.triton import MAX_D, _meta as _norm_meta, _strides, _view3, gated_norm_rows
 from . import AMAX_FLOOR, FP8_DTYPE, _norm_quant_reference, _scaled_linear_reference, quantize_rowwise
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -105,12 +105,9 @@ def norm_quant_fwd(X, U, Q, S, n_rows, inner, D, sx0, sx1, sx2, su0, su1, su2, e
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
-    # gated_norm_fwd, line for line (its output, rounded to the input dtype as it stores it)
-    x = _load_rows(X, rows, cols, mask, inner, sx0, sx1, sx2, CDT)
-    xm, r = _stats(x, mask, D, eps, IS_RMS)
-    y = xm * r[:, None]
-    if HAS_U:
-        y = _load_rows(U, rows, cols, mask, inner, su0, su1, su2, CDT) * y.to(NORM_DT).to(CDT)
+    # gated_norm_fwd's own rows (its output, rounded to the input dtype as it stores it)
+    y = gated_norm_rows(X, U, rows, cols, mask, inner, D, sx0, sx1, sx2, su0, su1, su2, eps,
+                        IS_RMS, HAS_U, CDT, NORM_DT)
     y = y.to(NORM_DT).to(tl.float32)
     # quantize_rowwise
     amax = tl.reduce(tl.where(mask, tl.abs(y), 0.0), 1, _max_nan)

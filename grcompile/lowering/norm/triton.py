@@ -54,17 +54,28 @@ def _stats(x, mask, D, eps, IS_RMS: tl.constexpr):
 
 
 @triton.jit
+def gated_norm_rows(X, U, rows, cols, mask, inner, D, sx0, sx1, sx2, su0, su1, su2, eps,
+                    IS_RMS: tl.constexpr, HAS_U: tl.constexpr, CDT: tl.constexpr, OUT_DT: tl.constexpr):
+    """``u ⊙ norm(x)`` of a block of rows in ``CDT``, not yet rounded to ``OUT_DT`` (the output
+    dtype) — shared by every kernel that computes ``gated_norm`` (the FP8 norm + quantisation too),
+    so they agree bit for bit."""
+    x = _load_rows(X, rows, cols, mask, inner, sx0, sx1, sx2, CDT)
+    xm, r = _stats(x, mask, D, eps, IS_RMS)
+    y = xm * r[:, None]
+    if HAS_U:  # the norm rounded to the input dtype first, as the user's norm-then-multiply rounds it
+        y = _load_rows(U, rows, cols, mask, inner, su0, su1, su2, CDT) * y.to(OUT_DT).to(CDT)
+    return y
+
+
+@triton.jit
 def gated_norm_fwd(X, U, Y, n_rows, inner, D, sx0, sx1, sx2, su0, su1, su2, eps,
                    BLOCK_D: tl.constexpr, ROWS: tl.constexpr, IS_RMS: tl.constexpr, HAS_U: tl.constexpr,
                    CDT: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
-    x = _load_rows(X, rows, cols, mask, inner, sx0, sx1, sx2, CDT)
-    xm, r = _stats(x, mask, D, eps, IS_RMS)
-    y = xm * r[:, None]
-    if HAS_U:  # the norm rounded to the input dtype first, as the user's norm-then-multiply rounds it
-        y = _load_rows(U, rows, cols, mask, inner, su0, su1, su2, CDT) * y.to(Y.dtype.element_ty).to(CDT)
+    y = gated_norm_rows(X, U, rows, cols, mask, inner, D, sx0, sx1, sx2, su0, su1, su2, eps,
+                        IS_RMS, HAS_U, CDT, Y.dtype.element_ty)
     tl.store(Y + rows[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
