@@ -196,6 +196,54 @@ def run_fp8(name: str, lowering: str = "eager") -> grcompile.Report:
     return report
 
 
+def run_bf16(name: str) -> tuple[dict, dict]:
+    """One training step under ``torch.autocast(bfloat16)``: float32 eager is the truth; returns the
+    rewrites of the float32 and the bf16 optimized model, and asserts that the optimized bf16
+    outputs and parameter gradients are as close to the truth as eager bf16's (relative error at
+    most twice eager's + 1e-3, the bar of tests/compiler/test_bf16.py)."""
+    from collections import Counter
+
+    def rewrites(optimized) -> dict:
+        return dict(Counter((r["pass"], r["op"]) for r in grcompile.report(optimized).rewrites))
+
+    def error(got: torch.Tensor, want: torch.Tensor) -> float:
+        return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)).item()
+
+    def step(module, params, autocast: bool):
+        params.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = module(*args)
+            loss = user.step_loss(out, args)
+        loss.float().backward()
+        outs = [_masked(t, valid).float() for t in _tensors(out) if t.is_floating_point()]
+        return outs, {n: p.grad.float().clone() for n, p in params.named_parameters() if p.grad is not None}
+
+    user, _ = load(name)
+    args = as_tuple(user.make_batch(BATCH, MAX_LEN, 0))
+    valid = user.valid(*args) if user.valid is not None else None
+    user.module.train()
+    truth, truth_grads = step(user.module, user.module, autocast=False)
+    eager, eager_grads = step(user.module, user.module, autocast=True)
+    twin32, twin16 = copy.deepcopy(user.module), copy.deepcopy(user.module)
+    optimized32 = grcompile.optimize(twin32, lowering="eager")
+    step(optimized32, twin32, autocast=False)
+    torch._dynamo.reset()
+    optimized16 = grcompile.optimize(twin16, lowering="eager")
+    got, got_grads = step(optimized16, twin16, autocast=True)
+    for i, (g, e, t) in enumerate(zip(got, eager, truth)):
+        assert error(g, t) <= 2 * error(e, t) + 1e-3, f"{name} bf16: output {i} error {error(g, t):.3g}, eager {error(e, t):.3g}"
+    # a gradient that is ~0 in float32 (a bias a softmax cancels) is all rounding noise in bf16:
+    # there its error is measured against the model's largest gradient instead of its own size
+    scale = max(t.norm().item() for t in truth_grads.values())
+    for n, t in truth_grads.items():
+        assert n in got_grads, f"{name} bf16: {n} has no gradient, eager has one"
+        g_err, e_err = error(got_grads[n], t), error(eager_grads[n], t)
+        g_abs, e_abs = (got_grads[n] - t).norm().item(), (eager_grads[n] - t).norm().item()
+        assert g_err <= 2 * e_err + 1e-3 or g_abs <= 2 * e_abs + 1e-3 * scale, \
+            f"{name} bf16: gradient of {n} error {g_err:.3g} ({g_abs:.3g}), eager {e_err:.3g} ({e_abs:.3g})"
+    return rewrites(optimized32), rewrites(optimized16)
+
+
 _FIRST_REPORTS: dict[tuple[str, str], grcompile.Report] = {}
 _EVAL_FUSED: dict[tuple[str, str], int] = {}
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from .harness import (BATCH, MAX_LEN, MODELS, MORE_SHAPES, SHAPES, Pair, eval_fused_count, first_report, fused_count,
-                      jagged, load, run_fp8, run_sequence, run_with_dropout)
+                      jagged, load, run_bf16, run_fp8, run_sequence, run_with_dropout)
 
 # inductor lowering in the default run (about a minute each): a hand-written additive-mask SASRec
 # and the softmax over the sequence axis (inductor's own attention rewrite is wrong there)
@@ -239,4 +239,12 @@ def test_fp8_is_the_model_with_fp8_linears(name):
     converted = report.counters.get("fp8_linear.fp8_linear", 0)
     left = sum(v for k, v in report.counters.items() if k.startswith("fp8_linear.skipped_"))
     assert converted + left > 0, f"{name}: the fp8_linear pass saw no linear"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_bf16_autocast_keeps_every_rewrite_and_the_eager_accuracy(name):
+    """Code nobody here wrote, under torch.autocast(bfloat16): the same rewrites as in float32, and
+    outputs and gradients as close to float32 eager as eager bf16 is."""
+    rewrites32, rewrites16 = run_bf16(name)
+    assert rewrites16 == rewrites32
 
