@@ -16,7 +16,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class _EmulatedFp8Linear(torch.autograd.Function):
-    """dx = dy @ W (straight through), dW = dyᵀ @ the quantised input (what the pass promises)."""
+    """dx = dy @ W, dW = dyᵀ @ x: straight through, both on the unquantised operands (what the
+    pass promises: torchao's rowwise_with_gw_hp)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, out_dtype):
@@ -30,7 +31,7 @@ class _EmulatedFp8Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g = dy.float()
         rows = g.reshape(-1, g.shape[-1])
-        dweight = rows.t() @ dequantize(*quantize_rowwise(x)).reshape(rows.shape[0], x.shape[-1])
+        dweight = rows.t() @ x.float().reshape(rows.shape[0], x.shape[-1])
         return (g @ weight.float()).to(x.dtype), dweight.to(weight.dtype), \
             rows.sum(0) if ctx.has_bias else None, None
 

@@ -17,13 +17,46 @@ which proves the softmax axis and the mask), so nothing it relies on is lost; th
 behind the switch are peepholes (views, casts, mm/addmm forms) whose speed matters little next
 to grcompile's fused ops, and without them the lowering performs only decompositions, fusion
 and codegen, never a rewrite it has not proven.
+
+``post_grad_custom_post_pass`` — a pass that changes nothing, there for its ``uuid()``: a hash of
+grcompile's op layer (``grcompile/lowering/**.py``). Inductor's FX-graph cache and AOTAutograd's
+cache key a compiled graph by the graph and the config, but a grcompile op's *autograd formula*
+(Python, traced into the backward at compile time) is in neither: after an upgrade that changes
+one, a cache on disk handed back the old backward — silently wrong gradients (it happened here:
+the FP8 weight gradient of a changed formula came back as the old one under inductor, not under
+the eager lowering). With the op layer's hash in the key, changed ops miss the cache.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
-__all__ = ["INDUCTOR_CONFIG"]
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+__all__ = ["INDUCTOR_CONFIG", "OpsVersion"]
+
+
+@lru_cache(1)
+def _op_layer_sources() -> tuple[str, ...]:
+    from .. import lowering
+
+    return tuple(sorted(str(p) for p in Path(lowering.__file__).parent.rglob("*.py")))
+
+
+class OpsVersion(CustomGraphPass):
+    """A post-grad pass that leaves the graph as it is; its ``uuid`` (the op layer's source hash)
+    keys inductor's and AOTAutograd's caches (module docstring)."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files(_op_layer_sources(), extra="grcompile op layer")
+
 
 INDUCTOR_CONFIG: dict[str, Any] = {
     "pattern_matcher": False,
+    "post_grad_custom_post_pass": OpsVersion(),
 }

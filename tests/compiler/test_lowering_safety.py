@@ -91,3 +91,29 @@ def test_lowering_config_is_scoped_to_grcompile() -> None:
         plain = torch.compile(softmax_over_keys)(*_qkv())
     assert counters["inductor"]["fuse_attention"] >= 1
     torch.testing.assert_close(plain, inference)
+
+
+def test_caches_are_keyed_by_the_op_layer() -> None:
+    """A grcompile op's autograd formula is traced into the compiled backward but is in neither
+    cache key: the op layer's source hash is (INDUCTOR_CONFIG's no-op pass), so an upgraded op
+    misses the cache instead of getting its old backward back. The caches themselves stay on."""
+    from pathlib import Path
+
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    import grcompile.lowering
+    from grcompile.capture.lowering_config import INDUCTOR_CONFIG
+
+    version = INDUCTOR_CONFIG["post_grad_custom_post_pass"]
+    assert isinstance(version, CustomGraphPass)  # a CustomGraphPass keeps the graph cacheable
+    sources = sorted(str(p) for p in Path(grcompile.lowering.__file__).parent.rglob("*.py"))
+    assert any(s.endswith("fp8/__init__.py") for s in sources) and any(s.endswith("norm/__init__.py") for s in sources)
+    assert version.uuid() == get_hash_for_files(tuple(sources), extra="grcompile op layer")
+
+    x = torch.randn(6, 8, requires_grad=True)
+    counters.clear()
+    for _ in range(2):  # the second compile finds the first one's graph in the (on-disk) caches
+        torch._dynamo.reset()
+        grcompile.optimize(lambda t: (t.sin() * 2).sum())(x).backward()
+    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    assert hits >= 1, dict(counters["inductor"])

@@ -22,15 +22,16 @@ autocast: the linear's bf16 result added to a float32 residual stream); None: no
 
 ``fp8_linear`` is what the ``fp8_linear`` pass emits: ``norm`` = ``"layer"`` | ``"rms"`` quantises
 ``gated_norm(x, u)`` in one pass (the fused kernel), ``"none"`` quantises ``x`` itself. Its backward
-keeps gradients in the high precision (no FP8 in the backward): with ``n`` the GEMM's
-input before quantisation and ``ñ = q · scale`` after,
+keeps gradients in the high precision (no FP8 in the backward): with ``n`` the GEMM's input
+before quantisation,
 
-    dn = dy @ weight,   dweight = dyᵀ @ ñ,   dbias = Σ_rows dy,   dresidual = dy,
+    dn = dy @ weight,   dweight = dyᵀ @ n,   dbias = Σ_rows dy,   dresidual = dy,
     (dx, du) = gated_norm's backward of dn          (norm "none": dx = dn)
 
-i.e. the quantisation is a straight-through estimator for the input and the weight gradient sees
-the values the GEMM multiplied (as torchao's). Nothing FP8 is saved: the backward recomputes
-``q, scale`` from ``x`` and ``u``, which the norm's backward keeps anyway.
+i.e. the quantisation is a straight-through estimator, and both backward GEMMs run on the
+high-precision operands — torchao's ``rowwise_with_gw_hp`` recipe (the weight gradient from the
+unquantised input): here it costs nothing, since nothing FP8 is saved and the backward recomputes
+``n`` from ``x`` and ``u``, which the norm's backward keeps anyway.
 
 CPU runs everything emulated with torch's float8 dtypes (the e4m3 values are exact in float32, so
 the emulated GEMM differs from a tensor-core one only in float32 summation order).
@@ -226,10 +227,10 @@ def fp8_linear_backward(grad: torch.Tensor, x: torch.Tensor, u: Optional[torch.T
                         has_bias: bool, residual_dtype: Optional[torch.dtype], norm: str, eps: float):
     """``(dx, du, dweight, dbias, dresidual)`` of ``fp8_linear`` (see the module docstring)."""
     with torch.autocast(x.device.type, enabled=False):
-        q, scale = _quantized_input(x, u, norm, eps)
+        n = x if norm == "none" else torch.ops.grcompile.gated_norm(x, u, kind=norm, eps=eps)
         g = grad.float()
         rows = g.reshape(-1, g.shape[-1])
-        dweight = (rows.t() @ dequantize(q, scale).reshape(rows.shape[0], weight.shape[1])).to(weight.dtype)
+        dweight = (rows.t() @ n.float().reshape(rows.shape[0], weight.shape[1])).to(weight.dtype)
         dbias = rows.sum(dim=0) if has_bias else None  # float32; the caller casts to the bias dtype
         dresidual = grad.to(residual_dtype) if residual_dtype is not None else None
         n_dtype = x.dtype  # the norm's output dtype: the dtype its backward takes the gradient in
