@@ -22,7 +22,7 @@ __all__ = ["__version__", "optimize", "report", "Report", "GraphPass", "PassCont
 # option -> default; dump_dir None means "$GRCOMPILE_DUMP_DIR if set".
 OPTIONS: dict[str, Any] = {"dump_dir": None, "passes": None, "lowering": "inductor",
                            "dynamic": False, "fullgraph": False, "sparse": None, "strict": False,
-                           "backend": None, "remat": None, "precision": None}
+                           "backend": None, "remat": None, "precision": None, "fp8_filter": None}
 PRECISIONS = (None, "fp8")
 # optimize(remat=True): the saved activations' budget, as a fraction of what the graph saves
 # without rematerialisation (issue 12's goal: <= 0.4x per block)
@@ -69,7 +69,10 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
     ``precision`` (``None``: the model's own — bf16 comes from its weights or ``torch.autocast``;
     ``"fp8"``: the ``fp8_linear`` pass runs last — linear layers become FP8 GEMMs with row-wise
     scales, fused with the norm before them and the residual after them; gradients stay in the
-    model's precision. Not exact by design: values within e4m3 rounding, see docs/precision.md).
+    model's precision. Not exact by design: values within e4m3 rounding, see docs/precision-memory.md),
+    ``fp8_filter`` (with ``precision="fp8"``: ``filter(path) -> bool`` picks the linears that go
+    FP8 by the dotted path of the module calling them, e.g. ``lambda p: not p.endswith("output")``;
+    None: every aligned linear).
     """
     opts = _merge_options(options, kwargs)
     remat_budget = _remat_budget(opts["remat"], opts["lowering"])
@@ -87,7 +90,7 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
         bad = [p for p in passes if not isinstance(p, GraphPass)]
         if bad:
             raise TypeError(f"passes must be GraphPass instances, got {bad!r}")
-    passes = _with_precision(passes, opts["precision"])
+    passes = _with_precision(passes, opts["precision"], opts["fp8_filter"])
     dump_dir: Path | None = resolve_dump_dir(opts["dump_dir"])
     sparse_plan = ""
     if opts["sparse"] is not None:
@@ -118,17 +121,19 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
     return compiled
 
 
-def _with_precision(passes: list[GraphPass], precision: Any) -> list[GraphPass]:
+def _with_precision(passes: list[GraphPass], precision: Any, fp8_filter: Any = None) -> list[GraphPass]:
     """``passes`` plus the precision pass ``precision`` asks for (once, last)."""
     if precision not in PRECISIONS:
         hint = " (bf16: give the model bf16 weights or run it under torch.autocast; optimize keeps " \
                "the model's precision)" if precision in ("bf16", "fp16", "fp32") else ""
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}{hint}")
+    if fp8_filter is not None and (precision != "fp8" or not callable(fp8_filter)):
+        raise ValueError("fp8_filter must be a callable(path) -> bool and goes with precision='fp8'")
     if precision != "fp8":
         return passes
     from .passes.fp8_linear import Fp8Linear
 
-    return [p for p in passes if not isinstance(p, Fp8Linear)] + [Fp8Linear()]
+    return [p for p in passes if not isinstance(p, Fp8Linear)] + [Fp8Linear(fp8_filter)]
 
 
 def _remat_budget(remat: Any, lowering: str) -> float | None:

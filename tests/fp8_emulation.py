@@ -4,7 +4,7 @@ accumulation, straight-through backward) — the model the optimized one must eq
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -43,11 +43,13 @@ def converts(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def emulated_fp8_linears(whole_attention_modules: bool = False) -> Iterator[None]:
+def emulated_fp8_linears(whole_attention_modules: bool = False,
+                         only: Callable[[torch.Tensor], bool] | None = None) -> Iterator[None]:
     """Every ``F.linear`` (``nn.Linear`` and ``F.multi_head_attention_forward`` call it) that the
     pass converts, computed in emulated FP8 while the context is open. Convolutions stay as they
     are; ``whole_attention_modules``: ``F.multi_head_attention_forward``'s own projections stay too
-    (what the pass does where the attention was not fused and the call stays whole)."""
+    (what the pass does where the attention was not fused and the call stays whole); ``only(weight)``:
+    just the linears of those weights (an ``fp8_filter``'s choice)."""
     original, original_mha = F.linear, F.multi_head_attention_forward
     inside_mha = []
 
@@ -59,7 +61,7 @@ def emulated_fp8_linears(whole_attention_modules: bool = False) -> Iterator[None
             inside_mha.pop()
 
     def linear(x, weight, bias=None):
-        if not converts(x, weight) or (whole_attention_modules and inside_mha):
+        if not converts(x, weight) or (whole_attention_modules and inside_mha) or (only and not only(weight)):
             return original(x, weight, bias)
         device = x.device.type
         autocast = torch.is_autocast_enabled(device)

@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", choices=("fp32", "bf16", "fp8"), default="fp32",
                    help="bf16: every mode's forward under torch.autocast(bfloat16); fp8: the same, and the "
                         "grcompile mode's linears as FP8 GEMMs (optimize(precision='fp8'); emulated on CPU)")
+    p.add_argument("--fp8-skip", default="",
+                   help="with --precision fp8: comma-separated module-path parts whose linears stay bf16 "
+                        "(e.g. 'output': the blocks' output projections)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per mode before it is killed")
     p.add_argument("--no-aot", dest="aot", action="store_false",
                    help="skip compiling, for sm_80 / sm_90, the Triton attention kernels of the variants the "
@@ -268,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                   steps=args.steps, warmup=args.warmup, seed=args.seed, threads=args.threads,
                   num_users=args.num_users, num_items=args.num_items, num_negatives=args.num_negatives,
                   dropout=args.dropout, pipeline=args.pipeline, device=args.device, dataset="synthetic",
-                  model_spec=args.model_spec, aot=args.aot, precision=args.precision, remat=args.remat)
+                  model_spec=args.model_spec, aot=args.aot, precision=args.precision, remat=args.remat,
+                  fp8_skip=[p for p in args.fp8_skip.split(',') if p])
     if args.model_spec is not None:  # the user's make_batch makes the data; these do not apply
         config.update(num_users=None, num_negatives=None, dataset=f"{args.model_spec} make_batch")
     results: dict[str, dict[str, Any]] = {}

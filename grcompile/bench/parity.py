@@ -24,7 +24,8 @@ def run_losses(path: str, mode: str) -> tuple[str, list[float]]:
     result = report["results"].get(mode)
     if result is None or "losses" not in result:
         raise SystemExit(f"{path}: no losses for mode {mode!r} (modes: {', '.join(report['results'])})")
-    label = f"{mode} {result.get('precision', 'fp32')}" + (" remat" if result.get("remat") else "")
+    label = f"{mode} {result.get('precision', 'fp32')}" + (" remat" if result.get("remat") else "") + \
+        "".join(f" -{part}" for part in result.get("fp8_skip") or [])
     return label, [float(x) for x in result["losses"]]
 
 

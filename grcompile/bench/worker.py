@@ -72,16 +72,20 @@ def current_rss_mb() -> float | None:
 
 
 def apply_mode(module: Any, mode: str, pipeline: str = "default", remat: bool = False,
-               fp8: bool = False) -> tuple[Any, Any]:
+               fp8: bool = False, fp8_skip: tuple[str, ...] = ()) -> tuple[Any, Any]:
     """Returns (compiled module, describe() -> str); ``pipeline`` picks grcompile's passes,
-    ``remat`` turns on grcompile's activation rematerialisation, ``fp8`` its FP8 GEMMs."""
+    ``remat`` turns on grcompile's activation rematerialisation, ``fp8`` its FP8 GEMMs (but not
+    for the linears whose module path contains one of ``fp8_skip``)."""
     from grcompile.modes import apply_compile_mode, describe_mode
     from grcompile.passes import PIPELINES
 
     options = {"passes": PIPELINES[pipeline](), **({"remat": True} if remat else {}),
-               **({"precision": "fp8"} if fp8 else {})} if mode == "grcompile" else {}
+               **({"precision": "fp8"} if fp8 else {}),
+               **({"fp8_filter": lambda path: not any(part in path for part in fp8_skip)} if fp8 and fp8_skip else {})} \
+        if mode == "grcompile" else {}
     compiled = apply_compile_mode(module, mode, **options)
-    extras = (" + remat" if remat else "") + (" + fp8" if fp8 else "") if mode == "grcompile" else ""
+    extras = (" + remat" if remat else "") + (" + fp8" if fp8 else "") + \
+        (f" (not {', '.join(fp8_skip)})" if fp8 and fp8_skip else "") if mode == "grcompile" else ""
     return compiled, (lambda: describe_mode(compiled) + extras)
 
 
@@ -215,7 +219,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg["precision"] not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {cfg['precision']!r}")
     step_fn, describe = apply_mode(task, mode, cfg.get("pipeline", "default"), bool(cfg.get("remat")),
-                                   fp8=cfg["precision"] == "fp8")
+                                   fp8=cfg["precision"] == "fp8", fp8_skip=tuple(cfg.get("fp8_skip") or ()))
     half = cfg["precision"] in ("bf16", "fp8")  # fp8: bf16 autocast around the FP8 GEMMs (eager, inductor: bf16)
 
     rss_before = current_rss_mb()
@@ -262,6 +266,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     return {
         "mode": mode,
         "precision": cfg["precision"],
+        "fp8_skip": list(cfg.get("fp8_skip") or []) if cfg["precision"] == "fp8" and mode == "grcompile" else [],
         "description": describe(),
         "step_ms": median_s * 1e3,
         "step_ms_p10": _percentile(timed, 0.1) * 1e3,

@@ -29,13 +29,14 @@ Reported: an ``F.multi_head_attention_forward`` left whole (its attention not fu
 projections in the model's precision — they are not separate linears in the graph.
 Invariant: not exact — FP8 rounds the GEMM's inputs (e4m3: 3 mantissa bits), which is what
 ``precision="fp8"`` asks for; the rest of the graph is untouched, and values stay within e4m3
-rounding of the unquantised GEMM (tests/compiler/test_fp8.py; loss parity in docs/precision.md).
+rounding of the unquantised GEMM (tests/compiler/test_fp8.py; loss parity in docs/precision-memory.md).
 Runs after ``fuse_norm_gate`` (it reads the fused norms).
 """
 from __future__ import annotations
 
 import inspect
 import operator
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -153,8 +154,24 @@ def _attribute(gm: fx.GraphModule, target: str) -> object:
     return value
 
 
+def module_path(node: fx.Node) -> str:
+    """The dotted path of the module whose forward called ``node`` (``blocks.0.output``; ``""`` for
+    a call outside any submodule), from Dynamo's ``nn_module_stack``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = str(list(stack.values())[-1][0])
+    return path.removeprefix("L['self']").removeprefix("L['self_']").lstrip(".")
+
+
 class Fp8Linear(GraphPass):
+    """``layer_filter(path) -> bool``: which linears may go FP8, by the path of the module that
+    calls them (``module_path``; torchao's ``module_filter_fn`` idea); None: all."""
+
     name = "fp8_linear"
+
+    def __init__(self, layer_filter: Callable[[str], bool] | None = None) -> None:
+        self.layer_filter = layer_filter
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         refresh_example_values(gm, strict=False)
@@ -189,6 +206,8 @@ class Fp8Linear(GraphPass):
             if node.op != "call_function" or canonical(node) != "linear":
                 continue
             skip = _match(node)
+            if skip is None and self.layer_filter is not None and not self.layer_filter(module_path(node)):
+                skip = "filtered"
             if skip is not None:
                 ctx.count(f"skipped_{skip}")
                 if skip == "unaligned":
@@ -216,4 +235,4 @@ class Fp8Linear(GraphPass):
                 ctx.count("residual_epilogue")
 
 
-__all__ = ["Fp8Linear", "ALIGN"]
+__all__ = ["Fp8Linear", "ALIGN", "module_path"]

@@ -277,7 +277,7 @@ class _Rewriter:
                     self.jagged[n] = self._convert(n)
                 except Unsupported as e:
                     raise _KeepDense(n, str(e)) from e
-            for key in ("stack_trace", row_spellings.WRITTEN_AS):  # what the user wrote, where
+            for key in ("stack_trace", "nn_module_stack", row_spellings.WRITTEN_AS):  # what the user wrote, where
                 if n.meta.get(key) and not self.jagged[n].meta.get(key):
                     self.jagged[n].meta[key] = n.meta[key]
             done.append((canonical(n) if canonical(n) != "fused_attention" else "jagged_attention", n))

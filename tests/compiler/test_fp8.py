@@ -149,3 +149,29 @@ def test_fp8_model_with_the_triton_kernels_equals_the_model_with_fp8_linears() -
     assert_fp8_close(got, want, rtol=1e-4, atol=1e-5, what="output")
     for name, g in want_grads.items():
         assert_fp8_close(got_grads[name], g, rtol=1e-4, atol=1e-5, what=f"gradient of {name}")
+
+
+def test_fp8_filter_picks_layers_by_module_path() -> None:
+    """``fp8_filter(path)``: the blocks' output projections stay in the model's precision (counted),
+    the input projections go FP8; the optimized model equals the eager one with exactly those
+    linears in emulated FP8 — paths survive the jagged rewrite."""
+    enc, twin, (ids, ts, valid) = _model_and_batch("hstu")
+    seen: list[str] = []
+
+    def keep_output_projections(path: str) -> bool:
+        seen.append(path)
+        return not path.endswith("output")
+
+    optimized = grcompile.optimize(twin, lowering="eager", precision="fp8", fp8_filter=keep_output_projections)
+    got, got_grads = _run(optimized, ids, ts, valid, False, twin)
+    assert sorted(set(seen)) == [f"blocks.{i}.{name}" for i in range(2) for name in ("output", "uvqk")]
+    assert [r[0].split(" ")[0] for r in _fp8_rewrites(optimized)] == ["hstu.py:28"] * 2
+    assert grcompile.report(optimized).counters["fp8_linear.skipped_filtered"] == 2
+    uvqk = {id(block.uvqk.weight) for block in enc.blocks}
+    with emulated_fp8_linears(only=lambda weight: id(weight) in uvqk):
+        want, want_grads = _run(enc, ids, ts, valid, False, enc)
+    assert_fp8_close(got, want, rtol=1e-4, atol=1e-5, what="output")
+    for name, g in want_grads.items():
+        assert_fp8_close(got_grads[name], g, rtol=1e-4, atol=1e-5, what=f"gradient of {name}")
+    with pytest.raises(ValueError, match="fp8_filter"):
+        grcompile.optimize(nn.Linear(16, 16), fp8_filter=keep_output_projections)
