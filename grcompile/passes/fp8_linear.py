@@ -46,7 +46,7 @@ from .pass_manager import GraphPass, PassContext, copy_graph, substitute
 from ..lowering.fp8 import FP8_LINEAR
 from ..lowering.norm import GATED_NORM
 from .row_spellings import WRITTEN_AS
-from .op_semantics import arg, canonical, dropout_is_identity, example, refresh_example_values
+from .op_semantics import arg, canonical, dropout_is_identity, example_tensor, refresh_example_values
 from .symbolic import known_eq
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -54,11 +54,6 @@ ALIGN = 16
 _IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
                        operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
                        operator.ilshift, operator.irshift, operator.setitem)
-
-
-def _tensor(node) -> torch.Tensor | None:
-    value = example(node) if isinstance(node, fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _has_effect(node: fx.Node) -> bool:
@@ -120,7 +115,7 @@ def _residual_of(linear: fx.Node, out: torch.Tensor) -> tuple[fx.Node, fx.Node, 
         return None
     a, b = add.args
     r = b if a is linear else a if b is linear else None
-    rv, sv = _tensor(r), _tensor(add)
+    rv, sv = example_tensor(r), example_tensor(add)
     if r is None or r is linear or rv is None or sv is None or rv.dtype not in _DTYPES or sv.dtype not in _DTYPES:
         return None
     if rv.dim() != out.dim() or not all(known_eq(p, q) for p, q in zip(rv.shape, out.shape)):
@@ -134,7 +129,7 @@ def _match(node: fx.Node) -> str | None:
     """The reason ``node`` (a linear) is skipped, or None."""
     if node.meta.get(WRITTEN_AS) == "conv1d":
         return "convolution"
-    x, w, out = _tensor(arg(node, 0, "input")), _tensor(arg(node, 1, "weight")), _tensor(node)
+    x, w, out = example_tensor(arg(node, 0, "input")), example_tensor(arg(node, 1, "weight")), example_tensor(node)
     if x is None or w is None or out is None:
         return "no_shape"
     if x.dtype not in _DTYPES or w.dtype not in _DTYPES or out.dtype not in _DTYPES:
@@ -196,7 +191,7 @@ class Fp8Linear(GraphPass):
                     setattr(_attribute(gm, owner) if owner else gm, leaf, body)
                 continue
             if node.op == "call_function" and node.target is F.multi_head_attention_forward:
-                query = _tensor(arg(node, 0, "query"))
+                query = example_tensor(arg(node, 0, "query"))
                 ctx.count("skipped_whole_attention_module")
                 ctx.fallback(node, f"this attention's input and output projections stay in "
                                    f"{query.dtype if query is not None else 'the model precision'}: the attention "
@@ -211,20 +206,20 @@ class Fp8Linear(GraphPass):
             if skip is not None:
                 ctx.count(f"skipped_{skip}")
                 if skip == "unaligned":
-                    n, k = _tensor(arg(node, 1, "weight")).shape
-                    ctx.fallback(node, f"this linear stays in {_tensor(node).dtype}: FP8 GEMMs need both of its "
+                    n, k = example_tensor(arg(node, 1, "weight")).shape
+                    ctx.fallback(node, f"this linear stays in {example_tensor(node).dtype}: FP8 GEMMs need both of its "
                                        f"dims to be multiples of {ALIGN} (weight is [{n}, {k}])")
                 continue
             a, weight, bias = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
             norm = _norm_of(a, node)
             absorbed, x, u, kind, eps = norm if norm is not None else ([], a, None, "none", 0.0)
-            residual = _residual_of(node, _tensor(node))
-            replaced, r, out_dtype = residual if residual is not None else (node, None, _tensor(node).dtype)
+            residual = _residual_of(node, example_tensor(node))
+            replaced, r, out_dtype = residual if residual is not None else (node, None, example_tensor(node).dtype)
             with g.inserting_before(replaced):
                 # gemm_dtype: where the user's linear rounds its result before their residual add
                 options = {"norm": kind, "eps": eps, "out_dtype": out_dtype}
-                if r is not None and _tensor(node).dtype != torch.float32:
-                    options["gemm_dtype"] = _tensor(node).dtype
+                if r is not None and example_tensor(node).dtype != torch.float32:
+                    options["gemm_dtype"] = example_tensor(node).dtype
                 fused = g.call_function(FP8_LINEAR, (x, u, weight, bias, r), options)
             substitute(g, fused, replaced, node)  # reports name the user's linear line
             for gone in absorbed:  # the identity dropouts, then the norm

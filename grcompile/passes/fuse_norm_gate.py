@@ -22,24 +22,18 @@ import torch.fx as fx
 
 from .pass_manager import GraphPass, PassContext, substitute
 from ..lowering.norm import GATED_NORM
-from .op_semantics import arg, canonical, example, refresh_example_values
+from .op_semantics import arg, canonical, example, example_tensor, refresh_example_values
 from .symbolic import known_eq
 
 _KINDS = {"layer_norm": "layer", "rms_norm": "rms"}
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def _example(node) -> torch.Tensor | None:
-    """The node's example tensor (None for constants, missing values and non-tensors)."""
-    value = example(node) if isinstance(node, fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
-
-
 def _match_norm(node: fx.Node) -> tuple[str, float] | str:
     """``(kind, eps)`` for a fusable norm, else the reason it is skipped."""
     op = canonical(node)
     x = node.args[0]
-    xv = _example(x)
+    xv = example_tensor(x)
     if xv is None:
         return "no_shape"
     if xv.dtype not in _DTYPES:
@@ -70,7 +64,7 @@ def _gate_of(norm: fx.Node) -> tuple[fx.Node, fx.Node] | None:
         return None
     a, b = mul.args
     u = b if a is norm else a if b is norm else None
-    nv, uv = _example(norm), _example(u)
+    nv, uv = example_tensor(norm), example_tensor(u)
     if u is None or u is norm or nv is None or uv is None:
         return None
     if uv.dim() != nv.dim() or not all(known_eq(a, b) for a, b in zip(uv.shape, nv.shape)) or uv.dtype != nv.dtype:

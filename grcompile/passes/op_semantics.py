@@ -145,6 +145,12 @@ def example(value: Any) -> Any:
     return value
 
 
+def example_tensor(node: Any) -> torch.Tensor | None:
+    """A node's example tensor (None for constants, missing values and non-tensors)."""
+    value = example(node) if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
 def einsum_parts(node: fx.Node) -> tuple[list[str], str, tuple] | None:
     """``(input specs, output spec, operands)`` of an explicit ``einsum(eq, *operands)`` node
     (operands passed separately or as one list), or None for an implicit output, an ellipsis, or
