@@ -20,7 +20,8 @@ set ``TRITON_INTERPRET=1`` before importing torch).
 Importing this package registers every op (``torch.ops.grcompile.*``): ``jagged_attention`` (+ its
 ``jagged_attention_backward``), ``gated_norm`` (+ ``gated_norm_backward``, used by the Triton
 backend), ``score_mod_attention`` (+ backward), ``pack_index``, ``check_index``,
-``check_unchanged``; ops declare what they mean to the passes in :mod:`.semantics`. Every compute
+``check_unchanged``, ``sparse_lookup`` (+ backward; its implementation is the sparse runtime's,
+bound by ``grcompile.runtime.lookup_op``); ops declare what they mean to the passes in :mod:`.semantics`. Every compute
 op runs through :func:`lookup` (``pack_index`` and the composite ``score_mod_attention`` with their
 one implementation as the reference); the input checks ``check_index`` / ``check_unchanged`` are
 not kernels and call plain torch. Each module
@@ -177,7 +178,7 @@ from .score_mod import get_score_mod, register_score_mod  # noqa: E402,F401
 from .attention import jagged_attention  # noqa: E402,F401
 from .norm import gated_norm  # noqa: E402,F401
 from . import fp8  # noqa: E402,F401
-from . import checks, constant_check, pack, score_mod_attention  # noqa: E402,F401
+from . import checks, constant_check, pack, score_mod_attention, sparse_lookup  # noqa: E402,F401
 
 __all__ = ["OPS", "OpEntry", "BACKENDS", "register_op", "lookup", "use_backend", "preferred_backend",
            "note_fallback", "kernel_usage", "kernel_fallbacks", "set_backend",

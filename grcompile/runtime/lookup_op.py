@@ -1,18 +1,11 @@
-"""``grcompile::sparse_lookup``: the op a rewritten ``nn.Embedding`` calls, opaque to torch.compile.
+"""The sparse runtime's implementation of ``grcompile::sparse_lookup`` (+ its backward).
 
-The sparse part (id all-to-all, sharded table lookup, embedding all-to-all, fused optimizer
-update in the backward) runs in the runtime, outside any compiled graph, yet the model stays
-one graph: Dynamo records this op like ``F.embedding`` (ids first; it declares itself an
-embedding to the passes, ``grcompile.lowering.semantics``), so ``detect_padding`` still sees ``ids != pad`` beside the attention and
-``jagged_rewrite`` packs the ids *before* the op — the lookup then receives only valid ids
-(TurboGR's jagged lookup) and returns ``[T, D]``.
-
-Autograd: the op's output depends on ``anchor`` (a zero-size-free scalar parameter of the
-rewritten module) so it requires grad; the backward is a second opaque op,
-``grcompile::sparse_lookup_backward(ids, grad, ...)``, which hands the gradient to the runtime
-(it runs the lookup's own autograd graph: embedding all-to-all backward, table update) and
-returns a zero gradient for ``anchor``. Both ops are called in the same order on every rank
-(one graph, one schedule), which is what their collectives need.
+The op itself — schema, fake, autograd formula, the embedding meaning it declares to the passes —
+is defined in the op layer (``grcompile.lowering.sparse_lookup``). This module binds it to the
+runtime: a ``handle`` names a live runtime of this process (:func:`register_runtime`), the forward
+runs that runtime's lookup (id all-to-all, sharded table lookup, embedding all-to-all) with its own
+autograd graph kept, and the backward hands the gradient to it (embedding all-to-all backward,
+fused table update) and returns a zero gradient for ``anchor``.
 """
 from __future__ import annotations
 
@@ -23,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from ..lowering.semantics import declare
+from ..lowering.sparse_lookup import bind_sparse_runtime, sparse_lookup
 
 # Weak: a runtime lives as long as the model whose SparseFeatures hold it. A strong registry kept
 # TorchRec modules (and their process-group work objects) alive into interpreter teardown, where
@@ -58,44 +51,22 @@ def _autograd_inside_op() -> Iterator[None]:
         yield
 
 
-@torch.library.custom_op("grcompile::sparse_lookup", mutates_args=())
-def sparse_lookup(ids: torch.Tensor, anchor: torch.Tensor, handle: int, feature: str, keep_graph: bool) -> torch.Tensor:
+def _lookup(ids: torch.Tensor, anchor: torch.Tensor, handle: int, feature: str, keep_graph: bool) -> torch.Tensor:
     with _autograd_inside_op():
         return runtime_of(handle).forward(feature, ids, keep_graph=keep_graph)
 
 
-@sparse_lookup.register_fake
-def _(ids, anchor, handle, feature, keep_graph):
-    spec = runtime_of(handle).plan.features[feature]
-    return ids.new_empty(*ids.shape, spec.dim, dtype=anchor.dtype)
-
-
-@torch.library.custom_op("grcompile::sparse_lookup_backward", mutates_args=())
-def sparse_lookup_backward(ids: torch.Tensor, grad: torch.Tensor, anchor: torch.Tensor, handle: int,
-                           feature: str) -> torch.Tensor:
+def _lookup_backward(ids: torch.Tensor, grad: torch.Tensor, anchor: torch.Tensor, handle: int,
+                     feature: str) -> torch.Tensor:
     with _autograd_inside_op():
         runtime_of(handle).backward(feature, ids, grad)
     return torch.zeros_like(anchor)
 
 
-@sparse_lookup_backward.register_fake
-def _(ids, grad, anchor, handle, feature):
-    return torch.empty_like(anchor)
+def _feature_dim(handle: int, feature: str) -> int:
+    return runtime_of(handle).plan.features[feature].dim
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    ids, anchor, handle, feature, _ = inputs
-    ctx.save_for_backward(ids, anchor)
-    ctx.handle, ctx.feature = handle, feature
-
-
-def _backward(ctx, grad):
-    ids, anchor = ctx.saved_tensors
-    return None, torch.ops.grcompile.sparse_lookup_backward(ids, grad.contiguous(), anchor, ctx.handle,
-                                                            ctx.feature), None, None, None
-
-
-sparse_lookup.register_autograd(_backward, setup_context=_setup_context)
-declare("embedding", torch.ops.grcompile.sparse_lookup.default, torch.ops.grcompile.sparse_lookup)
+bind_sparse_runtime(forward=_lookup, backward=_lookup_backward, feature_dim=_feature_dim)
 
 __all__ = ["register_runtime", "runtime_of", "sparse_lookup"]

@@ -5,8 +5,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-import grcompile.runtime.lookup_op  # noqa: F401 (the runtime's op declares itself an embedding)
-from grcompile.lowering import semantics
+from grcompile.lowering import semantics  # importing the op layer registers (and declares) every op
 from grcompile.passes.op_semantics import canonical
 
 
