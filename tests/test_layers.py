@@ -104,6 +104,52 @@ def test_the_exceptions_are_still_needed() -> None:
     assert set(EXCEPTIONS) <= used, f"no longer imported, drop from EXCEPTIONS: {set(EXCEPTIONS) - used}"
 
 
+def _model_imports_outside_main(path: Path) -> list[int]:
+    """Lines where ``path`` imports the model zoo (``models``, ``models.*``) outside a function named
+    ``main``: a module's ``main`` is its CLI (``python -m``), which may read ``models/presets.py``
+    and pass sizes down; the library functions must take them as arguments."""
+    def is_models(name: str) -> bool:
+        return name == "models" or name.startswith("models.")
+
+    lines = []
+
+    def visit(node: ast.AST, in_main: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inside = in_main or (isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and child.name == "main")
+            if not inside:
+                if isinstance(child, ast.Import) and any(is_models(a.name) for a in child.names):
+                    lines.append(child.lineno)
+                elif isinstance(child, ast.ImportFrom) and not child.level and is_models(child.module or ""):
+                    lines.append(child.lineno)
+                elif (isinstance(child, ast.Call) and child.args and isinstance(child.args[0], ast.Constant)
+                      and getattr(child.func, "attr", getattr(child.func, "id", None)) == "import_module"
+                      and isinstance(child.args[0].value, str) and is_models(child.args[0].value)):
+                    lines.append(child.lineno)
+            visit(child, inside)
+
+    visit(ast.parse(path.read_text(), str(path)), False)
+    return lines
+
+
+@pytest.mark.parametrize("path", [p for p in SOURCES if _layer(_module_name(p)) == "lowering"],
+                         ids=lambda p: str(p.relative_to(ROOT.parent)))
+def test_lowering_imports_no_model(path: Path) -> None:
+    """The op layer knows no model: sizes (the roofline's HSTU presets) come in as arguments, read
+    from ``models/`` only by a CLI's ``main``."""
+    lines = _model_imports_outside_main(path)
+    assert not lines, f"{path.relative_to(ROOT.parent)}:{lines} imports models/ outside main()"
+
+
+def test_the_model_import_rule_sees_imports() -> None:
+    """The rule above finds what it must: a library import, not the CLI's."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Path(tmp) / "probe.py"
+        probe.write_text("import os\ndef f():\n    from models.presets import PRESETS\n"
+                         "def main():\n    import models.presets\nimport models\n")
+        assert _model_imports_outside_main(probe) == [3, 6]
+
+
 def _defines_op(path: Path) -> bool:
     return 'custom_op("grcompile::' in path.read_text()
 

@@ -32,7 +32,9 @@ architecture has, or declares a ``tl.dot`` (or has one in its TTIR) without usin
 architecture's tensor-core instruction; the command exits 1 on any failure unless ``--no-fail``.
 A provider module that does not exist (yet) or raises on import gives a failing record that says
 so. ``--roofline`` (default on) adds the analytic attention cost at 8K tokens per row: see
-:func:`roofline` and :func:`attention_cost`.
+:func:`roofline` and :func:`attention_cost`; the CLI (:func:`main`) reads the HSTU presets' sizes
+from ``models/presets.py`` and passes them in as :class:`AttentionShape` (the library functions
+import no model).
 
 ``TRITON_INTERPRET=1`` makes ``@triton.jit`` build interpreter functions that cannot be compiled;
 the command restarts itself without it (Triton reads it at import, which ``import torch`` does).
@@ -51,7 +53,8 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 PROVIDERS = [
     "grcompile.lowering.norm.triton:aot_configs",
@@ -378,28 +381,49 @@ def _padded(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-def attention_roofline(tokens: int = 8192, presets: Iterable[str] = ("ml1m-large", "large"),
+@dataclass(frozen=True)
+class AttentionShape:
+    """The sizes of one model's attention that the roofline reads: heads, the q/k and v head widths
+    and the number of layers. ``name`` labels the rows, ``reading`` says what the sizes are (the
+    report prints it). The op layer knows no model: a caller (the CLI below) passes these in."""
+    name: str
+    heads: int
+    dqk: int
+    dv: int
+    blocks: int
+    reading: str = "preset"
+
+    @classmethod
+    def from_config(cls, name: str, config: Mapping[str, Any], reading: str = "preset") -> "AttentionShape":
+        """From a model config with the keys of ``models/presets.py`` (``num_heads``,
+        ``attention_dim``, ``linear_dim``, ``num_blocks``)."""
+        return cls(name, config["num_heads"], config["attention_dim"], config["linear_dim"], config["num_blocks"],
+                   reading)
+
+
+# The presets "HSTU-large" can mean in this project (models/presets.py, hstu) -> how the report reads
+# them; the CLI looks their sizes up and passes them to attention_roofline
+HSTU_LARGE_READINGS = {"ml1m-large": "the HSTU paper's HSTU-large", "large": "TurboGR's large"}
+
+
+def attention_roofline(shapes: Sequence[AttentionShape], tokens: int = 8192,
                        peak_flops: float = H100_BF16_FLOPS, bandwidth: float = H100_BANDWIDTH) -> dict[str, Any]:
-    """Roofline of HSTU causal attention per row of ``tokens`` tokens, for each named preset of
-    ``models.presets.PRESETS["hstu"]`` (the sizes are read there, not restated). "HSTU-large" has
-    two readings in this project, so both are reported by default: ``ml1m-large`` (the HSTU paper's
-    HSTU-large: 8 blocks, 2 heads, dqk = dv = 25) and ``large`` (TurboGR's large: 16 blocks,
+    """Roofline of causal attention per row of ``tokens`` tokens, for each of ``shapes``. The CLI
+    passes the HSTU presets "HSTU-large" can mean in this project (:data:`HSTU_LARGE_READINGS`,
+    sizes read from ``models.presets.PRESETS["hstu"]``, not restated): ``ml1m-large`` (the HSTU
+    paper's HSTU-large: 8 blocks, 2 heads, dqk = dv = 25) and ``large`` (TurboGR's large: 16 blocks,
     8 heads, dqk = dv = 128); only the head count and widths enter the formulas, at ``tokens``
     tokens whatever the preset's max_len. Rows: per layer (``useful`` FLOPs at the model's head
     widths, and ``executed`` at the widths padded to a power of two ≥ 16 when they differ, bytes
     unpadded) and
-    the whole model's attention (``num_blocks`` layers, forward + backward, useful FLOPs)."""
-    from models.presets import PRESETS
-
-    presets = list(presets)
-    _READINGS = {"ml1m-large": "the HSTU paper's HSTU-large", "large": "TurboGR's large"}
+    the whole model's attention (``blocks`` layers, forward + backward, useful FLOPs)."""
     described = []
     rows = []
-    for preset in presets:
-        cfg = PRESETS["hstu"][preset]
-        described.append(f"{preset} = {_READINGS.get(preset, 'preset')}: {cfg['num_blocks']} blocks, "
-                         f"{cfg['num_heads']} heads, dqk={cfg['attention_dim']}, dv={cfg['linear_dim']}")
-        heads, dqk, dv, blocks = cfg["num_heads"], cfg["attention_dim"], cfg["linear_dim"], cfg["num_blocks"]
+    for shape in shapes:
+        preset = shape.name
+        described.append(f"{preset} = {shape.reading}: {shape.blocks} blocks, "
+                         f"{shape.heads} heads, dqk={shape.dqk}, dv={shape.dv}")
+        heads, dqk, dv, blocks = shape.heads, shape.dqk, shape.dv, shape.blocks
         widths = [("useful", dqk, dv)]
         if (_padded(dqk), _padded(dv)) != (dqk, dv):
             widths.append(("executed", _padded(dqk), _padded(dv)))
@@ -487,10 +511,11 @@ def format_roofline(report: dict[str, Any]) -> str:
 
 def build_report(providers: list[str], archs: list[str], with_roofline: bool = True,
                  kernels: Optional[str] = None, max_per_kernel: Optional[int] = None,
-                 progress: bool = True) -> dict[str, Any]:
+                 progress: bool = True, roofline_shapes: Sequence[AttentionShape] = ()) -> dict[str, Any]:
     """Load ``providers``, compile their configs for ``archs`` (only kernels whose name matches the
     regular expression ``kernels``, and only the first ``max_per_kernel`` configs of each kernel
-    name, per ``arch`` key, when given), and assemble the JSON report."""
+    name, per ``arch`` key, when given), and assemble the JSON report; with ``with_roofline`` and
+    ``roofline_shapes`` (the caller's model sizes) it carries their :func:`attention_roofline`."""
     import triton
 
     for arch in archs:
@@ -513,8 +538,8 @@ def build_report(providers: list[str], archs: list[str], with_roofline: bool = T
     report = {"triton_version": triton.__version__, "archs": archs, "providers": status, "records": records,
               "failed": sum(bool(r["failures"]) for r in records),
               "seconds": round(time.perf_counter() - start, 2)}
-    if with_roofline:
-        report["roofline"] = attention_roofline()
+    if with_roofline and roofline_shapes:
+        report["roofline"] = attention_roofline(roofline_shapes)
     return report
 
 
@@ -539,8 +564,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     providers = [p for p in (args.providers.split(",") if args.providers else PROVIDERS) if p]
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    shapes: list[AttentionShape] = []
+    if args.roofline:  # the CLI reads the model zoo's sizes; the library functions take them as arguments
+        from models.presets import PRESETS
+
+        shapes = [AttentionShape.from_config(name, PRESETS["hstu"][name], reading)
+                  for name, reading in HSTU_LARGE_READINGS.items()]
     report = build_report(providers, archs, with_roofline=args.roofline, kernels=args.kernels,
-                          max_per_kernel=args.max_per_kernel, progress=not args.no_progress)
+                          max_per_kernel=args.max_per_kernel, progress=not args.no_progress, roofline_shapes=shapes)
     for s in report["providers"]:
         line = f"provider {s['provider']}: {s['status']}"
         print(line + (f", {s['configs']} configs" if s["status"] == "ok" else f" — {s['error']}"))

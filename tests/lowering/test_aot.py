@@ -274,10 +274,19 @@ def test_roofline():
     assert aot.roofline(2e12, 1e9, peak_flops=1e12)["seconds"] == 2.0
 
 
-def test_attention_roofline_reads_the_presets():
+def _hstu_large_shapes() -> list[aot.AttentionShape]:
     from models.presets import PRESETS
 
-    report = aot.attention_roofline()
+    return [aot.AttentionShape.from_config(name, PRESETS["hstu"][name], reading)
+            for name, reading in aot.HSTU_LARGE_READINGS.items()]
+
+
+def test_attention_roofline_of_the_presets():
+    """The roofline takes its sizes as arguments (the op layer imports no model); given the HSTU
+    presets, as the CLI passes them, its rows carry their heads and layers."""
+    from models.presets import PRESETS
+
+    report = aot.attention_roofline(_hstu_large_shapes())
     assert report["assumptions"]["tokens_per_row"] == 8192
     for row in report["rows"]:
         preset = PRESETS["hstu"][row["preset"]]
@@ -288,6 +297,15 @@ def test_attention_roofline_reads_the_presets():
     assert ("large", "layer fwd (executed)") not in scopes  # 128 needs no padding
     layer = next(r for r in report["rows"] if r["preset"] == "ml1m-large" and r["scope"] == "layer fwd (useful)")
     assert layer["flops"] == 2 * 8192 ** 2 * 25 * 2
+    assert report["assumptions"]["presets"][0] == "ml1m-large = the HSTU paper's HSTU-large: 8 blocks, 2 heads, dqk=25, dv=25"
+
+
+def test_attention_roofline_of_given_sizes():
+    shape = aot.AttentionShape("tiny", heads=1, dqk=16, dv=16, blocks=3, reading="a test model")
+    report = aot.attention_roofline([shape], tokens=128)
+    assert report["assumptions"]["presets"] == ["tiny = a test model: 3 blocks, 1 heads, dqk=16, dv=16"]
+    assert [r["scope"] for r in report["rows"]] == ["layer fwd (useful)", "layer bwd (useful)", "model fwd+bwd (3 layers)"]
+    assert report["rows"][0]["flops"] == 2 * 128 ** 2 * 16 * 1
 
 
 # ------------------------------------------------------------------ the real kernels
