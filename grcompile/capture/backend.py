@@ -157,8 +157,8 @@ class GrcompileBackend:
             remat = {} if self.state.remat_budget is None else {"activation_memory_budget": self.state.remat_budget}
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True, **remat,
                                                **({"enable_autograd_cache": False} if forced else {})):
-                from .lowering_config import INDUCTOR_CONFIG  # scoped to this compile (and its backward)
-                patches = {**INDUCTOR_CONFIG, **({"fx_graph_cache": False} if forced else {})}
+                from .lowering_config import inductor_config  # scoped to this compile (and its backward)
+                patches = {**inductor_config(), **({"fx_graph_cache": False} if forced else {})}
                 return compile_fx(gm, list(example_inputs), config_patches=patches)
 
         pin_checks(gm)  # index checks run before any kernel reads the index

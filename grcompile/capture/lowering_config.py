@@ -25,6 +25,13 @@ cache key a compiled graph by the graph and the config, but a grcompile op's *au
 one, a cache on disk handed back the old backward — silently wrong gradients (it happened here:
 the FP8 weight gradient of a changed formula came back as the old one under inductor, not under
 the eager lowering). With the op layer's hash in the key, changed ops miss the cache.
+
+A post-grad pass the user configured (``torch._inductor.config.post_grad_custom_post_pass``, when
+grcompile compiles) is kept, not replaced: :func:`inductor_config` hands inductor the list
+``[user's pass(es)..., OpsVersion]``, which inductor runs in order and keys by every pass's uuid
+(``FxGraphHashDetails._get_custom_pass_detail``); a user pass without a uuid (a plain callable, or
+``uuid()`` None) makes inductor and AOTAutograd bypass their caches for that graph, exactly as
+without grcompile (``FxGraphCache._check_custom_passes``).
 """
 from __future__ import annotations
 
@@ -32,10 +39,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import torch._inductor.config as inductor_settings
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes, get_hash_for_files
 
-__all__ = ["INDUCTOR_CONFIG", "OpsVersion"]
+__all__ = ["INDUCTOR_CONFIG", "OpsVersion", "inductor_config"]
 
 
 @lru_cache(1)
@@ -60,3 +68,15 @@ INDUCTOR_CONFIG: dict[str, Any] = {
     "pattern_matcher": False,
     "post_grad_custom_post_pass": OpsVersion(),
 }
+
+
+def inductor_config() -> dict[str, Any]:
+    """:data:`INDUCTOR_CONFIG` for a compile that starts now: if a ``post_grad_custom_post_pass``
+    is configured (by the user, in ``torch._inductor.config`` or a ``config.patch`` around the
+    call), it runs first and :class:`OpsVersion` after it, in one list whose cache key combines
+    their uuids (module docstring); otherwise OpsVersion alone."""
+    ours = INDUCTOR_CONFIG["post_grad_custom_post_pass"]
+    # an OpsVersion already configured is grcompile's own (a compile nested in one of ours): not twice
+    users = [p for p in get_custom_graph_passes(inductor_settings.post_grad_custom_post_pass)
+             if not isinstance(p, OpsVersion)]
+    return {**INDUCTOR_CONFIG, "post_grad_custom_post_pass": [*users, ours] if users else ours}
