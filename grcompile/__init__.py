@@ -24,9 +24,9 @@ OPTIONS: dict[str, Any] = {"dump_dir": None, "passes": None, "lowering": "induct
                            "dynamic": False, "fullgraph": False, "sparse": None, "strict": False,
                            "backend": None, "remat": None, "precision": None, "fp8_filter": None}
 PRECISIONS = (None, "fp8")
-# optimize(remat=True): the saved activations' budget, as a fraction of what the graph saves
-# without rematerialisation (issue 12's goal: <= 0.4x per block)
-REMAT_DEFAULT_BUDGET = 0.4
+# optimize(remat=True): ULTRA-HSTU's per-block policy (passes/remat_policy.py); a float in (0, 1)
+# is instead a budget for AOTAutograd's partitioner (the fraction of activation bytes it may save)
+REMAT_POLICIES = (True, "selective")
 
 _STATE_ATTR = "_grcompile_state"
 
@@ -62,10 +62,13 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
     ``"triton"`` / ``"reference"`` / ``"ascend"`` set it for the process: ops pick their kernel when
     they run, and a training step's backward runs outside the module's call, so the choice cannot
     be per module. ``report()`` lists the kernels that ran),
-    ``remat`` (``None`` / ``False``: off; ``True`` or a budget in (0, 1): activation
-    rematerialisation — AOTAutograd's min-cut partitioner saves at most that fraction of the
-    activation bytes the graph would save (``True``: ``REMAT_DEFAULT_BUDGET``) and recomputes the
-    cheapest rest in the backward; values and gradients are unchanged; needs ``lowering="inductor"``),
+    ``remat`` (``None`` / ``False``: off; ``True`` or ``"selective"``: ULTRA-HSTU's per-block
+    selective rematerialisation — the ``remat_policy`` pass runs last and every block saves its
+    input and its attention's output, recomputing the normed input, the input projection and its
+    split in the backward; a float in (0, 1): instead a budget for AOTAutograd's min-cut
+    partitioner, which saves at most that fraction of the activation bytes the graph would save and
+    recomputes the cheapest rest. Values and gradients are unchanged; with ``lowering="eager"``
+    AOTAutograd still splits forward and backward, without inductor),
     ``precision`` (``None``: the model's own — bf16 comes from its weights or ``torch.autocast``;
     ``"fp8"``: the ``fp8_linear`` pass runs last — linear layers become FP8 GEMMs with row-wise
     scales, fused with the norm before them and the residual after them; gradients stay in the
@@ -75,7 +78,7 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
     None: every aligned linear).
     """
     opts = _merge_options(options, kwargs)
-    remat_budget = _remat_budget(opts["remat"], opts["lowering"])
+    remat_budget, remat_policy = _remat(opts["remat"])
     if opts["backend"] is not None:
         from .lowering import set_backend
         set_backend(opts["backend"])
@@ -91,6 +94,10 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
         if bad:
             raise TypeError(f"passes must be GraphPass instances, got {bad!r}")
     passes = _with_precision(passes, opts["precision"], opts["fp8_filter"])
+    if remat_policy:
+        from .passes.remat_policy import RematPolicy
+
+        passes = [p for p in passes if not isinstance(p, RematPolicy)] + [RematPolicy()]
     dump_dir: Path | None = resolve_dump_dir(opts["dump_dir"])
     sparse_plan = ""
     if opts["sparse"] is not None:
@@ -102,7 +109,8 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
         sparse_plan = f"{opts['sparse'].get('backend', 'local')} sparse runtime (dedup {runtime.dedup}): " \
                       + runtime.plan.describe().replace("\n", "; ")
     state = GrcompileState(passes=passes, lowering=opts["lowering"], dump_dir=dump_dir, sparse_plan=sparse_plan,
-                           strict=bool(opts["strict"]), remat_budget=remat_budget)
+                           strict=bool(opts["strict"]), remat_budget=remat_budget,
+                           remat_policy=remat_policy)
     state.shapes.enabled = opts["dynamic"] is not True  # dynamic=True: every axis symbolic from the start
     if opts["sparse"] is not None:
         state.counters["sparse.features"] = len(runtime.plan.features)
@@ -136,16 +144,14 @@ def _with_precision(passes: list[GraphPass], precision: Any, fp8_filter: Any = N
     return [p for p in passes if not isinstance(p, Fp8Linear)] + [Fp8Linear(fp8_filter)]
 
 
-def _remat_budget(remat: Any, lowering: str) -> float | None:
+def _remat(remat: Any) -> tuple[float | None, bool]:
+    """``(partitioner budget or None, per-block policy on)`` for the ``remat`` option; checks it."""
     if remat is None or remat is False:
-        return None
-    budget = REMAT_DEFAULT_BUDGET if remat is True else remat
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < 1:
-        raise ValueError(f"remat must be None, False, True or a budget in (0, 1), got {remat!r}")
-    if lowering != "inductor":
-        raise ValueError(f"remat needs lowering='inductor' (AOTAutograd's partitioner does the recomputation), "
-                         f"got lowering={lowering!r}")
-    return float(budget)
+        return None, False
+    policy = any(remat is p or (isinstance(remat, str) and remat == p) for p in REMAT_POLICIES)
+    if not policy and (isinstance(remat, bool) or not isinstance(remat, (int, float)) or not 0 < remat < 1):
+        raise ValueError(f"remat must be None, False, True, 'selective' or a budget in (0, 1), got {remat!r}")
+    return (None, True) if policy else (float(remat), False)
 
 
 def _where(model: Any) -> str:

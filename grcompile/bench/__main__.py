@@ -30,6 +30,19 @@ MODES = ("eager", "inductor", "grcompile")
 RESULT_KEYS = ("step_ms", "peak_mem_mb", "tokens_per_s", "tflops")
 
 
+def _remat_option(text: str) -> str | float:
+    """``--remat`` (the selective policy) or ``--remat 0.4`` (a partitioner budget in (0, 1))."""
+    if text == "selective":
+        return text
+    try:
+        budget = float(text)
+    except ValueError:
+        budget = -1.0
+    if not 0 < budget < 1:
+        raise argparse.ArgumentTypeError(f"--remat takes no value or a budget in (0, 1), got {text!r}")
+    return budget
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m grcompile.bench", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="hstu", metavar="{%s} | FILE.py:FACTORY" % ",".join(sorted(PRESETS)),
@@ -54,8 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pipeline", choices=("default", "attention", "jagged"), default="default",
                    help="grcompile's pass pipeline (default: grcompile.passes.default_pipeline(), the jagged one)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--remat", action="store_true",
-                   help="grcompile mode: activation rematerialisation (optimize(remat=True))")
+    p.add_argument("--remat", nargs="?", const="selective", default=None, type=_remat_option, metavar="BUDGET",
+                   help="grcompile mode: activation rematerialisation; alone: the per-block selective policy "
+                        "(optimize(remat=True)); with a fraction in (0, 1): AOTAutograd's partitioner budget instead")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp8"), default="fp32",
                    help="bf16: every mode's forward under torch.autocast(bfloat16); fp8: the same, and the "
                         "grcompile mode's linears as FP8 GEMMs (optimize(precision='fp8'); emulated on CPU)")

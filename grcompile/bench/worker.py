@@ -34,7 +34,7 @@ PRECISIONS = ("fp32", "bf16", "fp8")
 DEFAULTS: dict[str, Any] = dict(model="hstu", preset="small", max_len=1024, batch_size=32, steps=5, warmup=2,
                                 seed=0, threads=None, num_users=None, num_items=None, num_negatives=128,
                                 dropout=None, lr=1e-3, temperature=0.05, device="cpu", mode="eager",
-                                result_path=None, aot=True, precision="fp32", remat=False)
+                                result_path=None, aot=True, precision="fp32", remat=None)
 
 
 def log(msg: str) -> None:
@@ -71,20 +71,21 @@ def current_rss_mb() -> float | None:
     return _proc_status_mb("VmRSS")
 
 
-def apply_mode(module: Any, mode: str, pipeline: str = "default", remat: bool = False,
+def apply_mode(module: Any, mode: str, pipeline: str = "default", remat: Any = None,
                fp8: bool = False, fp8_skip: tuple[str, ...] = ()) -> tuple[Any, Any]:
     """Returns (compiled module, describe() -> str); ``pipeline`` picks grcompile's passes,
-    ``remat`` turns on grcompile's activation rematerialisation, ``fp8`` its FP8 GEMMs (but not
+    ``remat`` is grcompile's ``optimize(remat=...)`` (``"selective"``: the per-block policy, a float:
+    the partitioner's budget; falsy: off), ``fp8`` its FP8 GEMMs (but not
     for the linears whose module path contains one of ``fp8_skip``)."""
     from grcompile.modes import apply_compile_mode, describe_mode
     from grcompile.passes import PIPELINES
 
-    options = {"passes": PIPELINES[pipeline](), **({"remat": True} if remat else {}),
+    options = {"passes": PIPELINES[pipeline](), **({"remat": True if remat == "selective" else remat} if remat else {}),
                **({"precision": "fp8"} if fp8 else {}),
                **({"fp8_filter": lambda path: not any(part in path for part in fp8_skip)} if fp8 and fp8_skip else {})} \
         if mode == "grcompile" else {}
     compiled = apply_compile_mode(module, mode, **options)
-    extras = (" + remat" if remat else "") + (" + fp8" if fp8 else "") + \
+    extras = ((f" + remat (budget {remat})" if isinstance(remat, float) else " + remat") if remat else "") + (" + fp8" if fp8 else "") + \
         (f" (not {', '.join(fp8_skip)})" if fp8 and fp8_skip else "") if mode == "grcompile" else ""
     return compiled, (lambda: describe_mode(compiled) + extras)
 
@@ -218,7 +219,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     optimizer = torch.optim.Adam(task.parameters(), lr=cfg["lr"])
     if cfg["precision"] not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {cfg['precision']!r}")
-    step_fn, describe = apply_mode(task, mode, cfg.get("pipeline", "default"), bool(cfg.get("remat")),
+    step_fn, describe = apply_mode(task, mode, cfg.get("pipeline", "default"), cfg.get("remat") or None,
                                    fp8=cfg["precision"] == "fp8", fp8_skip=tuple(cfg.get("fp8_skip") or ()))
     half = cfg["precision"] in ("bf16", "fp8")  # fp8: bf16 autocast around the FP8 GEMMs (eager, inductor: bf16)
 
@@ -277,7 +278,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "peak_mem_mb": cuda_peak if cuda else rss_peak,
         "activation_mb": activation_bytes / 2**20,
         "activation_mb_per_block": activation_bytes / 2**20 / blocks if blocks else None,
-        "remat": bool(cfg.get("remat")) and mode == "grcompile",
+        "remat": (cfg.get("remat") or False) if mode == "grcompile" else False,
         "peak_rss_mb": rss_peak,
         "rss_before_steps_mb": rss_before,
         "cuda_max_allocated_mb": cuda_peak,

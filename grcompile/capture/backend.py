@@ -60,7 +60,8 @@ class GrcompileState:
     unoptimized_signatures: set[tuple] = field(default_factory=set)  # new input shapes after it
     shapes: ShapePolicy = field(default_factory=ShapePolicy)  # static first, then symbolic B / N (shapes.py)
     recompiles: list[dict[str, Any]] = field(default_factory=list)  # {graph, reason} per compile after the first
-    remat_budget: float | None = None  # optimize(remat=...): AOTAutograd's activation memory budget
+    remat_budget: float | None = None  # optimize(remat=<float>): AOTAutograd's activation memory budget
+    remat_policy: bool = False  # optimize(remat=True): the remat_policy pass tags what to recompute
 
     def report(self) -> Report:
         grown = _graph_break_counts()
@@ -72,7 +73,7 @@ class GrcompileState:
                       compiles=self.compiles, graph_breaks=sum(reasons.values()),
                       counters=dict(self.counters), passes=[pass_name(p) for p in self.passes],
                       lowering=self.lowering, graph_break_reasons=reasons, sparse_plan=self.sparse_plan,
-                      remat_budget=self.remat_budget,
+                      remat_budget=self.remat_budget, remat_policy=self.remat_policy,
                       unoptimized=[dict(u) for u in self.unoptimized], recompiles=list(self.recompiles))
 
 
@@ -138,8 +139,38 @@ class GrcompileBackend:
         if state.dump_dir is not None:
             write_score_mods(state.dump_dir, k, gm)
         if state.lowering == "eager":
-            return gm.forward
+            return self._remat_eagerly(k, region, gm, example_inputs) if self._remat_on() else gm.forward
         return self._lower(k, region, gm, captured, example_inputs)
+
+    def _remat_on(self) -> bool:
+        return self.state.remat_policy or self.state.remat_budget is not None
+
+    def _remat_patch(self) -> dict[str, Any]:
+        return {} if self.state.remat_budget is None else {"activation_memory_budget": self.state.remat_budget}
+
+    def _remat_eagerly(self, k: int, region: str, gm: fx.GraphModule,
+                       example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        """``lowering="eager"`` with ``remat``: AOTAutograd splits the graph into forward and
+        backward with the min-cut partitioner (which reads the recompute tags and the budget) and
+        both run as the graphs they are, without inductor. If AOTAutograd cannot trace the graph,
+        it runs as is, and the report says that rematerialisation is off for it."""
+        from functorch.compile import min_cut_rematerialization_partition, nop
+        from torch._dynamo.backends.common import aot_autograd
+
+        split = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=min_cut_rematerialization_partition,
+                             keep_inference_input_mutations=True)
+        try:
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True, **self._remat_patch()):
+                return split(gm, list(example_inputs))
+        except Exception as exc:  # noqa: BLE001 - the policy: fall back, report, never crash
+            if self.state.strict:
+                raise
+            log.debug("grcompile graph %d: AOTAutograd for remat failed", k, exc_info=True)
+            self.state.unoptimized.append({"kind": "remat_error", "graph": k, "frame": region,
+                                           "error": f"splitting the graph for rematerialisation raised "
+                                                    f"{describe_error(exc)}",
+                                           "site": region, "ran": "the transformed graph, saving every activation"})
+            return gm.forward
 
     def _lower(self, k: int, region: str, gm: fx.GraphModule, captured: fx.GraphModule,
                example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -154,8 +185,7 @@ class GrcompileBackend:
             # autograd formulas trace (gated_norm's backward op) without changing the caches' keys:
             # compile without the caches then, or a graph traced for another backend is reused
             forced = preferred_backend() != "auto"
-            remat = {} if self.state.remat_budget is None else {"activation_memory_budget": self.state.remat_budget}
-            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True, **remat,
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True, **self._remat_patch(),
                                                **({"enable_autograd_cache": False} if forced else {})):
                 from .lowering_config import inductor_config  # scoped to this compile (and its backward)
                 patches = {**inductor_config(), **({"fx_graph_cache": False} if forced else {})}

@@ -22,7 +22,8 @@ class Report:
     lowering: str = "inductor"
     graph_break_reasons: dict[str, int] = field(default_factory=dict)
     sparse_plan: str = ""  # embeddings moved to the sparse runtime, if any
-    remat_budget: float | None = None  # optimize(remat=...), if on
+    remat_budget: float | None = None  # optimize(remat=<float>), if on
+    remat_policy: bool = False  # optimize(remat=True): per-block selective rematerialisation
     # what ran without grcompile and why: {kind, graph, frame, error, site, ran} (+ calls, shapes
     # for kind "recompile_limit"); kinds: trace_error, lowering_error, recompile_limit, zero_size
     unoptimized: list[dict[str, Any]] = field(default_factory=list)
@@ -62,6 +63,9 @@ class Report:
             lines.append(f"  recompile graph {r['graph']}: {r['reason']}")
         if self.sparse_plan:
             lines.append(f"sparse: {self.sparse_plan}")
+        if self.remat_policy:
+            lines.append("remat: per block, the normed input, the input projection and its split are recomputed in "
+                         "the backward (remat_policy tags them; AOTAutograd's partitioner saves none of them)")
         if self.remat_budget is not None:
             lines.append(f"remat: saved activations capped at {self.remat_budget:g} of what the graph would save; "
                          "AOTAutograd's min-cut partitioner recomputes the rest in the backward")
