@@ -69,13 +69,14 @@ class Pair:
     """One eager model and an optimized deep copy of it (same parameters, separate gradients)."""
     user: UserModel
     lowering: str
+    options: dict[str, Any] = field(default_factory=dict)  # more optimize() options (remat=...)
     optimized: torch.nn.Module = field(init=False)
     copy: torch.nn.Module = field(init=False)
     steps: int = 0
 
     def __post_init__(self) -> None:
         self.copy = copy.deepcopy(self.user.module)
-        self.optimized = grcompile.optimize(self.copy, lowering=self.lowering)
+        self.optimized = grcompile.optimize(self.copy, lowering=self.lowering, **self.options)
 
     def report(self) -> grcompile.Report:
         return grcompile.report(self.optimized)
