@@ -22,6 +22,7 @@ TorchRec's own dedup (``use_index_dedup``) needs CUDA-only fbgemm ops; this is t
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -32,6 +33,7 @@ import torch.nn as nn
 from .ids import require_int_ids
 
 DEDUP_MODES = ("none", "comm", "lookup", "two_stage")
+_STATS_LOCK = threading.Lock()  # counters are added from the routing and the main thread (six-stage)
 
 
 @dataclass
@@ -44,8 +46,9 @@ class LookupStats:
     lookups: int = 0  # lookup calls
 
     def add(self, other: "LookupStats") -> None:
-        for k, v in asdict(other).items():
-            setattr(self, k, getattr(self, k) + v)
+        with _STATS_LOCK:
+            for k, v in asdict(other).items():
+                setattr(self, k, getattr(self, k) + v)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -95,10 +98,15 @@ class ShardedEmbedding(nn.Module):
         send the rows back asynchronously. ``wait()`` on the result gives ``forward(ids)``."""
         return self.route(ids).exchange()
 
-    def route(self, ids: torch.Tensor, *, buffered: bool = False) -> "RoutedLookup":
+    def route(self, ids: torch.Tensor, *, buffered: bool = False,
+              group: Optional[dist.ProcessGroup] = None) -> "RoutedLookup":
         """Key routing (dedup, the id all-to-all, dedup on the owner). ``buffered``: the rows are
         also read now, into a prefetch buffer (DBP's retrieval stage), and refreshed at
-        ``exchange`` where this rank's last step updated them."""
+        ``exchange`` where this rank's last step updated them. ``group``: the id all-to-alls on
+        another process group of the same ranks as the table's (the six-stage schedule routes on
+        a thread of its own, whose collectives must not interleave with the main thread's); the
+        embedding exchange stays on the table's group. The returned lookup's ``stats`` are what this
+        call counted (also added to ``self.stats``), for callers on several threads."""
         self.check(ids)
         W = self.world
         flat = ids.reshape(-1).long()
@@ -110,10 +118,11 @@ class ShardedEmbedding(nn.Module):
         send = send[order]
         send_counts = torch.bincount(owner, minlength=W)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        route_group = self.group if group is None else group
+        dist.all_to_all_single(recv_counts, send_counts, group=route_group)
         recv = send.new_empty(int(recv_counts.sum()))
         send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
-        dist.all_to_all_single(recv, send, recv_split, send_split, group=self.group)
+        dist.all_to_all_single(recv, send, recv_split, send_split, group=route_group)
         needed, back = torch.unique(recv, return_inverse=True) if stage2 else (recv, None)
         buffer = None
         if buffered:
@@ -121,9 +130,12 @@ class ShardedEmbedding(nn.Module):
                 raise NotImplementedError(f"{self.name}: prefetch buffers hold rows of a static table only")
             buffer = self.read_owned(needed).detach().clone()
         mine_out = send_split[self.rank]
-        self.stats.add(LookupStats(ids_sent=len(send) - mine_out, id_bytes=(len(send) - mine_out) * send.element_size(),
-                                   lookups=1))
-        return RoutedLookup(self, tuple(ids.shape), needed, back, buffer, order, inverse, send_split, recv_split)
+        counted = LookupStats(ids_sent=len(send) - mine_out, id_bytes=(len(send) - mine_out) * send.element_size(),
+                              lookups=1)
+        self.stats.add(counted)
+        routed = RoutedLookup(self, tuple(ids.shape), needed, back, buffer, order, inverse, send_split, recv_split)
+        routed.stats = counted
+        return routed
 
     # -- which rows a step may have updated (DBP's buffer synchronisation) --------------------------
     def track_updates(self, enabled: bool = True) -> None:
@@ -172,11 +184,14 @@ class RoutedLookup:
         work = dist.all_to_all_single(received, rows.detach().contiguous(), self.send_split, self.recv_split,
                                       group=m.group, async_op=True)
         mine_back = self.recv_split[m.rank]
-        m.stats.add(LookupStats(rows_sent=rows.shape[0] - mine_back,
-                                embedding_bytes=(rows.shape[0] - mine_back) * m.dim * rows.element_size(),
-                                rows_read=int(self.needed.numel())))
-        return PendingLookup(m, self.shape, rows, received, work, self.order, self.inverse, self.send_split,
-                             self.recv_split)
+        counted = LookupStats(rows_sent=rows.shape[0] - mine_back,
+                              embedding_bytes=(rows.shape[0] - mine_back) * m.dim * rows.element_size(),
+                              rows_read=int(self.needed.numel()))
+        m.stats.add(counted)
+        pending = PendingLookup(m, self.shape, rows, received, work, self.order, self.inverse, self.send_split,
+                                self.recv_split)
+        pending.stats = counted  # what this exchange counted (``route``'s ``stats``: the same, for the rows)
+        return pending
 
 
 class _ReadRows(torch.autograd.Function):

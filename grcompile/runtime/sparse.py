@@ -33,7 +33,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,10 +69,18 @@ class Tables(nn.Module):
         embedding exchange is asynchronous return it still in flight)."""
         return _Ready(self.lookup(table, rows))
 
-    def route_lookup(self, table: str, rows: torch.Tensor, *, buffered: bool = True) -> "_Deferred":
+    def route_lookup(self, table: str, rows: torch.Tensor, *, buffered: bool = True,
+                     routing_channel: bool = False) -> "_Deferred":
         """``start_lookup`` split once more: the keys routed now, ``exchange()`` later starts the
-        rest (backends without a routing stage look up at ``exchange()``: always fresh)."""
+        rest (backends without a routing stage look up at ``exchange()``: always fresh).
+        ``routing_channel``: route on the channel ``open_routing_channel`` made (called from the
+        routing thread)."""
         return _Deferred(lambda: self.start_lookup(table, rows))
+
+    def open_routing_channel(self) -> None:
+        """Route keys on a process group of their own (collective: every rank calls it), so the
+        id all-to-alls can run on a thread of their own while the main thread exchanges
+        embeddings. No-op where there is no routing collective."""
 
     def track_updates(self, enabled: bool = True) -> None:
         """Remember which rows each step reads (``route_lookup`` buffers refresh those)."""
@@ -133,9 +141,8 @@ class _CountedRoute:
         self.tables, self.shard, self.routed = tables, shard, routed
 
     def exchange(self, *, refresh: bool = True):
-        before = self.shard.stats.as_dict()
         pending = self.routed.exchange(refresh=refresh)
-        self.tables._add_since(self.shard, before)
+        self.tables.stats.add(pending.stats)  # this call's counts (the routing thread may count meanwhile)
         return pending
 
 
@@ -188,6 +195,7 @@ class NativeTables(Tables):
         self.hsp, self.group_size = bool(group_size), group_size
         self.sync_bytes = 0  # HSP: gradient rows sent across groups
         self.grad_group = None  # open_gradient_channel
+        self.route_group = None  # open_routing_channel
 
     def lookup(self, table: str, rows: torch.Tensor) -> torch.Tensor:
         return self._counted(self.tables[table], rows)
@@ -206,14 +214,22 @@ class NativeTables(Tables):
         for name in self.tables:
             self._shard(name).grad_group = self.grad_group
 
+    def open_routing_channel(self) -> None:
+        if self.route_group is not None:
+            return
+        if self.hsp:
+            raise NotImplementedError("a routing channel for HSP groups (no schedule routes on a thread under HSP)")
+        self.route_group = dist.new_group(backend="gloo")
+
     def start_lookup(self, table: str, rows: torch.Tensor):
         return self.route_lookup(table, rows, buffered=False).exchange()
 
-    def route_lookup(self, table: str, rows: torch.Tensor, *, buffered: bool = True):
+    def route_lookup(self, table: str, rows: torch.Tensor, *, buffered: bool = True, routing_channel: bool = False):
         shard = self._shard(table)
-        before = shard.stats.as_dict()
-        routed = shard.route(rows, buffered=buffered)
-        self._add_since(shard, before)
+        if routing_channel and self.route_group is None:
+            raise RuntimeError("route_lookup(routing_channel=True) before open_routing_channel()")
+        routed = shard.route(rows, buffered=buffered, group=self.route_group if routing_channel else None)
+        self.stats.add(routed.stats)  # this call's counts (another thread may count on the shard meanwhile)
         return _CountedRoute(self, shard, routed)
 
     def track_updates(self, enabled: bool = True) -> None:
@@ -325,6 +341,8 @@ class SparseRuntime:
         self.refresh_prefetched = True  # False only to show what stale prefetch buffers do (tests)
         self._grad_worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._grad_futures: list[concurrent.futures.Future] = []
+        self._route_worker: Optional[concurrent.futures.ThreadPoolExecutor] = None  # six-stage's routing stage
+        self._routings: list[concurrent.futures.Future] = []  # routings started, not taken yet (in order)
         self.recorded: Optional[list[tuple[str, torch.Tensor]]] = None  # (feature, valid ids) per lookup, when a list
         self.timeline: Optional[list[tuple[str, str, float, float]]] = None  # span()s, when a list
         self.pad_rows = pad_rows or {}
@@ -375,9 +393,10 @@ class SparseRuntime:
         return out.view(*ids.shape, f.dim)
 
     def _start(self, feature: str, ids: torch.Tensor, routed_only: bool = False,
-               buffered: bool = True) -> "_StartedLookup":
+               buffered: bool = True, routing_channel: bool = False) -> "_StartedLookup":
         """Checks, padding dropped, stage-1 dedup, and the backend lookup started (its embedding
-        exchange may still be in flight; ``routed_only``: not started yet, ``pending.exchange()``)."""
+        exchange may still be in flight; ``routed_only``: not started yet, ``pending.exchange()``;
+        ``routing_channel``: routed on the routing thread's process group)."""
         self.check(feature, ids)
         f = self.plan.features[feature]
         valid, kept = self.valid_ids(feature, ids)
@@ -386,8 +405,8 @@ class SparseRuntime:
         inverse = None
         if self.dedup in ("comm", "two_stage"):
             rows, inverse = torch.unique(rows, return_inverse=True)
-        pending = backend.route_lookup(f.table, rows, buffered=buffered) if routed_only \
-            else backend.start_lookup(f.table, rows)
+        pending = backend.route_lookup(f.table, rows, buffered=buffered, routing_channel=routing_channel) \
+            if routed_only else backend.start_lookup(f.table, rows)
         return _StartedLookup(kept, valid, pending, inverse)
 
     def valid_ids(self, feature: str, ids: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor]:
@@ -426,9 +445,63 @@ class SparseRuntime:
             with self.span("exchange start"):  # DBP: after the buffer sync
                 started.pending = started.pending.exchange(refresh=self.refresh_prefetched)
 
+    # -- the six-stage schedule's routing stage: a thread and a process group of its own ----------
+    def start_routing(self, extract: Callable[[], Sequence[tuple[str, torch.Tensor]]]) -> concurrent.futures.Future:
+        """Route a coming batch's lookups on the routing thread: ``extract()`` (its key
+        extraction), then per lookup the checks, stage-1 dedup, the id all-to-all (on the routing
+        process group: its collectives never interleave with the main thread's or the gradient
+        thread's) and stage-2 dedup on the owners. Nothing is read from the tables (the rows are
+        read by ``take_routed``), so this may run while the main thread computes and the optimizer
+        steps. Routings run one at a time in the order they are started, the same on every rank;
+        ``take_routed(future)`` waits for one."""
+        if self._route_worker is None:
+            self.tables.open_routing_channel()
+            self._route_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grcompile-sparse-route")
+
+        def route() -> list[tuple[str, _StartedLookup]]:
+            with self.span("key extraction"):
+                lookups = list(extract())
+            routed = []
+            for feature, ids in lookups:
+                with self.span(f"route {feature}"):
+                    routed.append((feature, self._start(feature, ids, routed_only=True, buffered=False,
+                                                        routing_channel=True)))
+            return routed
+
+        future = self._route_worker.submit(route)
+        self._routings.append(future)
+        return future
+
+    def take_routed(self, routing: concurrent.futures.Future, *, exchange: bool = True) -> int:
+        """Wait for a routing (``start_routing``; "wait for unique"), queue its lookups as
+        prefetched, in order, and — ``exchange`` — start their embedding exchange: the rows read
+        now, sent in the background (``exchange=False``: left to ``exchange_routed``). Returns the
+        number of lookups."""
+        with self.span("routing wait"):
+            try:
+                routed = routing.result()
+            finally:
+                self._routings.remove(routing)
+        for feature, started in routed:
+            self._prefetched.setdefault(feature, collections.deque()).append(started)
+            self._unexchanged.append(started)
+        if exchange:
+            self.exchange_routed(len(routed))
+        return len(routed)
+
+    def discard_routing(self, routing: concurrent.futures.Future) -> None:
+        """Wait for a routing (its collectives must finish on every rank) and drop it."""
+        try:
+            routing.result()
+        finally:
+            self._routings.remove(routing)
+
     def discard_prefetched(self) -> None:
-        """Drop every prefetched lookup (before an evaluation, at the end): exchanges in flight are
-        waited for, so no collective is left half done."""
+        """Drop every prefetched lookup (before an evaluation, at the end): routings and exchanges
+        in flight are waited for, so no collective is left half done."""
+        routings, self._routings = self._routings, []
+        for routing in routings:
+            routing.result()
         for queue in self._prefetched.values():
             for started in queue:
                 if hasattr(started.pending, "wait"):  # exchanged (routed-only ones have no collective open)

@@ -112,7 +112,7 @@ class TrainConfig:
     sparse_lr: float | None = None  # None: lr
     dynamic_features: list[str] = field(default_factory=list)  # embedding modules made hash tables
     checkpoint_every: int | None = None  # steps between checkpoints (besides every epoch's end)
-    pipeline: str = "sync"  # sync | fwp | dbp | dbp+fwp: same training; semi-async: stale (train/pipeline.py)
+    pipeline: str = "sync"  # sync | fwp | dbp | dbp+fwp: same training; semi-async | six-stage: stale (train/pipeline.py)
     micro_batches: int = 4  # fwp: micro-batches per step
     balance: str = "equal"  # rows to ranks: equal slices | tokens | cost (data/balance.py)
     token_budget: float | None = None  # tokens per rank and step: batches cut by it, not batch_size (token_batching.py)
@@ -138,8 +138,8 @@ class TrainConfig:
         if self.sparse_optimizer is not None and self.sparse_optimizer not in SPARSE_OPTIMIZERS:
             raise ValueError(f"TrainConfig.sparse_optimizer must be one of {SPARSE_OPTIMIZERS} (or None: the "
                              f"setting's default), got {self.sparse_optimizer!r}")
-        if self.pipeline not in ("sync", "fwp", "dbp", "dbp+fwp", "semi-async"):
-            raise ValueError(f"TrainConfig.pipeline must be sync, fwp, dbp, dbp+fwp or semi-async, "
+        if self.pipeline not in ("sync", "fwp", "dbp", "dbp+fwp", "semi-async", "six-stage"):
+            raise ValueError(f"TrainConfig.pipeline must be sync, fwp, dbp, dbp+fwp, semi-async or six-stage, "
                              f"got {self.pipeline!r}")
         if self.balance not in ("equal", "tokens", "cost"):
             raise ValueError(f"TrainConfig.balance must be equal, tokens or cost, got {self.balance!r}")

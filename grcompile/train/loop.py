@@ -21,7 +21,7 @@ from ..data.token_batching import TokenBudgetLoader
 from . import checkpoint
 from .config import TrainConfig, resolve_sparse_optimizer
 from .metrics import evaluate
-from .pipeline import PIPELINES, STALE, setup_pipeline
+from .pipeline import PIPELINES, STALE, DataStage, setup_pipeline
 from .parallel import Parallel, StepTiming, dense_state, load_distributed, make_optimizers, save_distributed
 
 
@@ -126,12 +126,17 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         stop_reason = "steps"  # a resumed run that is already there: evaluate only
     while state["epoch"] < config.epochs and stop_reason == "epochs":
         epoch = state["epoch"]
-        bar = tqdm(_with_next(_steps(loader, parallel, task, epoch, state["step_in_epoch"], lbsl,
-                                     state["global_step"])), total=len(loader),
+        epoch_steps = _steps(loader, parallel, task, epoch, state["step_in_epoch"], lbsl, state["global_step"])
+        # six-stage: the dataloader is a stage of its own (a thread one batch ahead); the pipeline
+        # routes two steps ahead, so it is handed the next two
+        data_stage = DataStage(epoch_steps) if pipeline is not None and config.pipeline == "six-stage" else None
+        bar = tqdm(_with_next(data_stage if data_stage is not None else epoch_steps,
+                              pipeline.lookahead if pipeline is not None else 1), total=len(loader),
                    initial=state["step_in_epoch"], desc=f"epoch {epoch}", disable=not progress, mininterval=2.0,
                    leave=False)
         epoch_start, epoch_tokens, stopped = time.perf_counter(), 0, False
-        for step, next_step in bar:
+        for step, ahead in bar:
+            next_step = ahead[0] if ahead else None
             if fail_at_step is not None and state["global_step"] == fail_at_step and parallel.rank == parallel.world - 1:
                 os.kill(os.getpid(), signal.SIGKILL)  # a rank dies mid-run, no goodbye
             timing.begin()
@@ -140,8 +145,7 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
                 opt.zero_grad(set_to_none=True)
             batch, local = step.batch, step.local
             if pipeline is not None and pipeline_info["verified"]:
-                upcoming = (next_step.batch, next_step.local) if next_step is not None else None
-                loss = pipeline.step(step_fn, batch, local, upcoming)
+                loss = pipeline.step(step_fn, batch, local, *[(s.batch, s.local) for s in ahead])
             else:
                 def forward_backward() -> None:
                     nonlocal loss
@@ -180,6 +184,8 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
                 state["train_seconds"] = time.perf_counter() - started
                 save_checkpoint()
         bar.close()
+        if data_stage is not None:
+            data_stage.close()
         if pipeline is not None:
             pipeline.discard()  # nothing of a next step stays prefetched into the evaluation
         state["train_seconds"] = time.perf_counter() - started
@@ -299,14 +305,17 @@ def _steps(loader, parallel, task, epoch: int, start: int, lbsl=None, global_ste
         yield _Step(batch, local, parallel.loss_weight(task, batch, local), int((batch["ids"] != 0).sum()), before)
 
 
-def _with_next(batches):
-    """``(batch, the next batch or None)``: the pipeline's DBP routes a step ahead."""
+def _with_next(batches, depth: int = 1):
+    """``(batch, [the next up to ``depth`` batches])``: DBP and semi-async route a step ahead,
+    six-stage two."""
     iterator = iter(batches)
-    current = next(iterator, None)
-    while current is not None:
+    window = [b for b in (next(iterator, None) for _ in range(depth + 1)) if b is not None]
+    while window:
+        yield window[0], window[1:]
+        window = window[1:]
         following = next(iterator, None)
-        yield current, following
-        current = following
+        if following is not None:
+            window.append(following)
 
 
 def _resume_key(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:

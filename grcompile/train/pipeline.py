@@ -17,8 +17,9 @@ per-micro-batch dedup keeps most of its effect: ``cluster_rows``.
 """
 from __future__ import annotations
 
+import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..passes.lookup_keys import extract_lookup_keys
 from ..runtime.sparse import SparseRuntime
 
-PIPELINES = ("sync", "fwp", "dbp", "dbp+fwp", "semi-async")
-STALE = {"semi-async"}  # schedules whose embeddings are not the synchronous ones
+PIPELINES = ("sync", "fwp", "dbp", "dbp+fwp", "semi-async", "six-stage")
+STALE = {"semi-async", "six-stage"}  # schedules whose embeddings are not the synchronous ones
 Batch = dict[str, torch.Tensor]
 
 
@@ -50,6 +51,12 @@ class KeyExtractor:
         return {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
 
     def __call__(self, *inputs: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return self.bind(*inputs)()
+
+    def bind(self, *inputs: torch.Tensor) -> Callable[[], list[tuple[str, torch.Tensor]]]:
+        """The extraction for ``inputs`` as a call that may run on another thread: the trace (which
+        swaps the model's parameters for fakes while it runs) is made here, on the calling thread,
+        and the state is taken here; the returned call only runs the traced key graph."""
         signature = (self.model.training, tuple((tuple(t.shape), t.dtype) for t in inputs))
         keys = self._graphs.get(signature)
         if keys is None:
@@ -69,8 +76,12 @@ class KeyExtractor:
                                                   "they would come from the weights before the update")
         if isinstance(keys, str):
             raise PipelineUnsupported(keys)
-        with torch.no_grad():
-            return list(zip(keys.features, keys.graph(self._state(), *inputs)))
+        state = self._state()
+
+        def extract() -> list[tuple[str, torch.Tensor]]:
+            with torch.no_grad():  # grad mode is per thread
+                return list(zip(keys.features, keys.graph(state, *inputs)))
+        return extract
 
 
 def cluster_rows(ids: torch.Tensor, parts: int, pad: int = 0) -> list[torch.Tensor]:
@@ -110,9 +121,15 @@ class SparsePipeline:
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.fwp, self.dbp, self.semi_async = "fwp" in schedule, "dbp" in schedule, schedule == "semi-async"
+        self.six_stage = schedule == "six-stage"
         self.micro_batches = micro_batches if self.fwp else 1
         self.task, self.runtime, self.schedule, self.cluster, self.world = task, runtime, schedule, cluster, world
-        self.extract = KeyExtractor(task, step_ahead=self.dbp or self.semi_async)
+        self.extract = KeyExtractor(task, step_ahead=self.dbp or self.semi_async or self.six_stage)
+        self.lookahead = 2 if self.six_stage else 1  # coming steps ``step`` wants: upcoming (, following)
+        # six-stage: t+1's rows are read during step t, before its update (one step stale, as semi-async);
+        # False only for the negative control (the stage order broken: read after the update, fresh)
+        self.read_ahead = True
+        self._routing: Optional[tuple[Batch, list[Batch], object, int]] = None  # six-stage: t+2, being routed
         self.seconds = {"key_extraction": 0.0, "clustering": 0.0}
         self.unique_ids = {"clustered": 0, "unclustered": 0}
         self._upcoming: Optional[tuple[Batch, list[Batch], list, int]] = None  # DBP: the next step, routed
@@ -129,7 +146,7 @@ class SparsePipeline:
         if not hasattr(runtime.tables, "_shard"):
             raise PipelineUnsupported("the frozen window needs the update after the last micro-batch; TorchRec's "
                                       "fused optimizer updates in every backward (use --sparse-backend native)")
-        if getattr(runtime.tables, "hsp", False) and (self.dbp or self.semi_async):
+        if getattr(runtime.tables, "hsp", False) and (self.dbp or self.semi_async or self.six_stage):
             raise PipelineUnsupported("with hierarchical sparse parallelism (--hsp-group-size) other groups' gradients "
                                       "update a shard's rows too, so a prefetched row's freshness is not known "
                                       "locally: use --pipeline fwp")
@@ -180,7 +197,7 @@ class SparsePipeline:
         """Micro-batches of this rank's rows: as many on every rank (each one is collectives), so
         bounded by ``fewest_rows``, the fewest rows any rank has in this step."""
         rows = local["ids"].shape[0]
-        n = max(1, min(self.micro_batches, fewest_rows, rows))
+        n = max(1, min(self.micro_batches, fewest_rows, rows)) if self.micro_batches > 1 else 1
         start = time.perf_counter()
         plain = list(torch.tensor_split(torch.arange(rows), n))
         clustered = cluster_rows(local["ids"], n)  # also without clustering: unique_ids compares both
@@ -189,22 +206,34 @@ class SparsePipeline:
         self.unique_ids["unclustered"] += unique_ids_sent(local["ids"], plain)
         return clustered if self.cluster else plain
 
+    def _micro(self, batch: Batch, local: Batch) -> list[Batch]:
+        # one micro-batch: the fewest rows do not matter (and are not asked: a balanced batch's
+        # assignment may be computed on another thread, six-stage's data stage)
+        fewest = self.fewest_rows(batch) if self.micro_batches > 1 else 1
+        return [{k: v[rows] for k, v in local.items()} for rows in self.parts(local, fewest)]
+
     def _plan(self, batch: Batch, local: Batch) -> tuple[list[Batch], list[list], int]:
         """Micro-batches, their lookup keys, the global batch's target count."""
-        micro = [{k: v[rows] for k, v in local.items()} for rows in self.parts(local, self.fewest_rows(batch))]
+        micro = self._micro(batch, local)
         start = time.perf_counter()
         keys = [self.extract(mb["ids"], mb["timestamps"], mb["negatives"]) for mb in micro]
         self.seconds["key_extraction"] += time.perf_counter() - start
         return micro, keys, max(self.task.count_targets(batch["ids"]), 1)
 
     def step(self, step_fn: Callable[..., torch.Tensor], batch: Batch, local: Batch,
-             upcoming: Optional[tuple[Batch, Batch]] = None) -> torch.Tensor:
+             upcoming: Optional[tuple[Batch, Batch]] = None,
+             following: Optional[tuple[Batch, Batch]] = None) -> torch.Tensor:
         """``upcoming``: the next step's ``(batch, local)`` — DBP routes its keys and reads its rows
         during this step; its buffers are brought up to date when that step begins.
 
         Every micro-batch's keys are routed at the start, before any embedding is on the wire (a
         small id all-to-all queued behind megabytes of embeddings would wait for them); then the
-        exchanges go one micro-batch ahead of the compute."""
+        exchanges go one micro-batch ahead of the compute.
+
+        ``following``: the step after the next one's ``(batch, local)`` (six-stage routes its keys
+        during this step; the other schedules ignore it)."""
+        if self.six_stage:
+            return self._six_stage_step(step_fn, batch, local, upcoming, following)
         runtime = self.runtime
         ahead = self.dbp or self.semi_async
         if ahead and self._upcoming is not None and self._upcoming[0] is batch:
@@ -242,12 +271,125 @@ class SparsePipeline:
             runtime.defer_sparse_backward(False)
         return total
 
-    def discard(self) -> None:
-        """Before an evaluation or at the end: nothing of a next step stays prefetched."""
+    # -- TurboGR's six-stage schedule (§4.2.3, App. D) ---------------------------------------------
+    def _route(self, batch: Batch, local: Batch) -> tuple[Batch, list[Batch], object, int]:
+        """Stage 2 started: the micro-batch and the key graph bound here (a new input shape is
+        traced on this thread), extraction and routing on the runtime's routing thread."""
+        micro = self._micro(batch, local)
+        start = time.perf_counter()
+        extracts = [self.extract.bind(mb["ids"], mb["timestamps"], mb["negatives"]) for mb in micro]
+        self.seconds["key_extraction"] += time.perf_counter() - start
+        routing = self.runtime.start_routing(lambda: [k for extract in extracts for k in extract()])
+        return batch, micro, routing, max(self.task.count_targets(batch["ids"]), 1)
+
+    def _six_stage_step(self, step_fn: Callable[..., torch.Tensor], batch: Batch, local: Batch,
+                        upcoming: Optional[tuple[Batch, Batch]],
+                        following: Optional[tuple[Batch, Batch]]) -> torch.Tensor:
+        """Step t, one batch per stage: (1, the dataloader, is the caller's: t+3 on its thread) —
+        2. t+2's key routing started on the routing thread — 3. t+1's routing waited — 4. t+1's
+        rows read (before t's update: one step stale, as semi-async) and sent in the background —
+        5. t's forward and backward (its embeddings sent during step t−1) — 6. t's gradient
+        exchange on the gradient thread, waited here, before the caller's update."""
+        runtime = self.runtime
+        if self._upcoming is not None and self._upcoming[0] is batch:
+            _, micro, _, global_targets = self._upcoming  # stages 2–4 ran during the last two steps
+            if not self.read_ahead:
+                runtime.exchange_routed()  # negative control: t's rows read only now, after t−1's update
+        else:  # a cold start: this step's keys routed and its rows read now (as semi-async's first step)
+            self._routing = None
+            runtime.discard_prefetched()
+            _, micro, routing, global_targets = self._route(batch, local)
+            runtime.take_routed(routing)
         self._upcoming = None
+        routing_next = self._routing if (self._routing is not None and upcoming is not None
+                                         and self._routing[0] is upcoming[0]) else None
+        if routing_next is None and self._routing is not None:
+            runtime.discard_routing(self._routing[2])  # routed for a batch that is not coming
+        if routing_next is None and upcoming is not None:
+            routing_next = self._route(*upcoming)
+        self._routing = self._route(*following) if upcoming is not None and following is not None else None
+        if routing_next is not None:
+            count = runtime.take_routed(routing_next[2], exchange=self.read_ahead)
+            self._upcoming = (routing_next[0], routing_next[1], count, routing_next[3])
+        runtime.defer_sparse_backward(True)
+        total = torch.zeros(())
+        try:
+            for mb in micro:
+                loss = step_fn(mb["ids"], mb["timestamps"], mb["negatives"]) \
+                    * (self.task.count_targets(mb["ids"]) / global_targets)
+                loss.backward()  # the sparse part of it goes on on the gradient thread
+                total = total + loss.detach()
+            runtime.drain()
+            ahead = self._upcoming[2] if self._upcoming else 0
+            if runtime.prefetched() != ahead:
+                raise RuntimeError(f"sparse pipeline: {runtime.prefetched() - ahead} prefetched lookups were never "
+                                   f"used (the forward made fewer lookups than were extracted ahead of it)")
+        finally:
+            runtime.defer_sparse_backward(False)
+        return total
+
+    def discard(self) -> None:
+        """Before an evaluation or at the end: nothing of a next step stays prefetched (or routed)."""
+        self._upcoming, self._routing = None, None
         if self.runtime is not None:
             self.runtime.discard_prefetched()
             self.runtime.track_updates(False)  # a cold start routes afresh; no evaluation read is kept
+
+
+class DataStage:
+    """Six-stage's first stage, the dataloader: ``iterable`` drawn on a thread of its own, one item
+    ahead of the consumer (a bounded queue of one: while the trainer runs step t with t+1 and t+2
+    in hand, the thread prepares t+3 — the batch and its rank slice — and waits). Items come in
+    order; an error on the thread is raised here, at the item it replaced. ``close()`` (or the end
+    of the iteration) stops the thread."""
+
+    _END = object()
+
+    def __init__(self, iterable: Iterable[Any], name: str = "grcompile-data-stage") -> None:
+        self._source = iter(iterable)
+        self._slot = threading.Semaphore(1)  # the thread may prepare one item before it is taken
+        self._ready = threading.Semaphore(0)
+        self._item: Any = None
+        self._error: Optional[BaseException] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._slot.acquire()
+            if self._stop.is_set():
+                return
+            try:
+                item = next(self._source)
+            except StopIteration:
+                item = self._END
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                self._error, item = e, self._END
+            self._item = item
+            self._ready.release()
+            if item is self._END:
+                return
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            while True:
+                self._ready.acquire()
+                item, self._item = self._item, None
+                if item is self._END:
+                    if self._error is not None:
+                        raise self._error
+                    return
+                self._slot.release()  # the thread prepares the next one while this one is used
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._slot.release()  # wake the thread if it waits for a slot
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)
 
 
 def setup_pipeline(task: nn.Module, config, parallel, optimizers: list, log) -> tuple[Optional[SparsePipeline], dict]:
@@ -269,7 +411,8 @@ def setup_pipeline(task: nn.Module, config, parallel, optimizers: list, log) -> 
     info["running"] = config.pipeline + " (from the second step: the first one checks the extracted keys)"
     if config.pipeline in STALE:
         info["running"] += "; STALE: embeddings one step behind the synchronous training"
-        log(f"[grcompile.train] --pipeline {config.pipeline}: embeddings are one step STALE (TurboGR's semi-async); "
+        log(f"[grcompile.train] --pipeline {config.pipeline}: embeddings are one step STALE (TurboGR's semi-async"
+            f"{'; six stages, the same training as semi-async' if config.pipeline == 'six-stage' else ''}); "
             f"the training is not the synchronous one")
     return pipeline, info
 
@@ -296,5 +439,5 @@ def _compare(expected: list[tuple[str, torch.Tensor]], recorded: list[tuple[str,
     return None
 
 
-__all__ = ["SparsePipeline", "setup_pipeline", "KeyExtractor", "PIPELINES", "PipelineUnsupported", "cluster_rows",
+__all__ = ["DataStage", "SparsePipeline", "setup_pipeline", "KeyExtractor", "PIPELINES", "PipelineUnsupported", "cluster_rows",
            "unique_ids_sent"]
