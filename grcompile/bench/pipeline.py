@@ -1,5 +1,6 @@
 """``python -m grcompile.bench.pipeline``: step time and exposed communication of the sparse
-pipeline schedules (``sync``, ``fwp``) on an emulated network (``netns.py``).
+pipeline schedules (``SCHEDULES``: sync, fwp, dbp, dbp+fwp, semi-async, six-stage) on an emulated
+network (``netns.py``).
 
 Each rank runs in a network namespace of its own behind a rate-limited veth (gloo over real TCP).
 Every schedule is timed twice, through the same code and the same namespaces: on the limited
@@ -12,8 +13,9 @@ link and on an unlimited one. Then, per schedule s:
 * exposed ratio(s) = exposed(s) / communication time (NestPipe's metric: 1 = nothing hidden;
   FWP's theoretical floor is 1/N for N micro-batches, the first exchange and the last gradient).
 
-Also written: a Chrome/Perfetto trace of one measured step per schedule (rank 0; threads: main and
-the gradient thread) and a PNG of it. Example::
+Also written: a Chrome/Perfetto trace of one measured step per schedule (rank 0; threads: main,
+the gradient thread, and six-stage's routing thread) and a PNG of it. The batches are made before
+the timed steps, so six-stage's dataloader stage (a thread in the trainer) has nothing to hide here. Example::
 
     python -m grcompile.bench.pipeline --world 2 --rate-mbit 200 --json docs/bench/pipeline-2ranks.json \\
         --trace docs/bench/pipeline-2ranks.trace.json --plot docs/bench/pipeline-2ranks.png
@@ -33,7 +35,7 @@ from typing import Any
 
 import torch
 
-SCHEDULES = ("sync", "fwp", "dbp", "dbp+fwp", "semi-async")
+SCHEDULES = ("sync", "fwp", "dbp", "dbp+fwp", "semi-async", "six-stage")
 
 
 # -- one rank ----------------------------------------------------------------------------------------
@@ -93,8 +95,8 @@ def _run_schedule(args, schedule: str, rank: int, world: int) -> dict[str, Any]:
                 weight = task.count_targets(local["ids"]) / max(task.count_targets(batch["ids"]), 1)
                 (task(local["ids"], local["timestamps"], local["negatives"]) * weight).backward()
             else:
-                upcoming = (batches[i + 1], local_of(batches[i + 1])) if i + 1 < len(batches) else None
-                pipeline.step(task, batch, local, upcoming)
+                ahead = [(b, local_of(b)) for b in batches[i + 1:i + 1 + pipeline.lookahead]]
+                pipeline.step(task, batch, local, *ahead)
         with runtime.span("dense all-reduce"):
             all_reduce_gradients(dense)
         with runtime.span("optimizer"):
@@ -187,7 +189,8 @@ def plot(results: list[dict], summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"forward+backward": "#c7c7c7", "route+read": "#1f77b4", "exchange start": "#17becf",
+    colours = {"forward+backward": "#c7c7c7", "route+read": "#1f77b4", "key extraction": "#aec7e8",
+               "route": "#1f77b4", "routing wait": "#e377c2", "exchange start": "#17becf",
                "exchange wait": "#d62728",
                "gradient exchange": "#ff7f0e", "gradient exchange wait": "#9467bd", "dense all-reduce": "#8c564b",
                "optimizer": "#2ca02c"}
@@ -197,16 +200,16 @@ def plot(results: list[dict], summary: dict, path: Path) -> None:
         spans = results[0][schedule]["trace"]
         for name, thread, t0, t1 in spans:
             kind = next((k for k in sorted(colours, key=len, reverse=True) if name.startswith(k)), None)
-            lane = 2 if "grad" in thread else (0 if kind == "forward+backward" else 1)
+            lane = 2 if "grad" in thread else 3 if "route" in thread else (0 if kind == "forward+backward" else 1)
             ax.broken_barh([(1e3 * t0, 1e3 * (t1 - t0))], (lane - 0.4, 0.8), color=colours.get(kind, "#17becf"))
-        ax.set_yticks([0, 1, 2], ["compute", "main: comm/wait", "gradient thread"])
+        ax.set_yticks([0, 1, 2, 3], ["compute", "main: comm/wait", "gradient thread", "routing thread"])
         s = summary[schedule]
         ax.set_title(f"{schedule}: step {s['step_ms_limited_link']} ms, exposed communication ratio "
                      f"{s['exposed_comm_ratio']}", fontsize=9, loc="left")
     axes[-1].set_xlabel("ms since step start (rank 0, one step)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    fig.legend(handles, list(colours), loc="lower center", ncol=len(colours), fontsize=7)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.legend(handles, list(colours), loc="lower center", ncol=(len(colours) + 1) // 2, fontsize=7)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
 

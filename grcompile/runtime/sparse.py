@@ -553,14 +553,15 @@ class SparseRuntime:
     @contextlib.contextmanager
     def span(self, name: str) -> Iterator[None]:
         """A timed region for ``timeline`` (a list, when set: ``(name, thread, start, end)``)."""
-        if self.timeline is None:
+        timeline = self.timeline  # the list of when it began (the routing thread may end a span after the step)
+        if timeline is None:
             yield
             return
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.timeline.append((name, threading.current_thread().name, start, time.perf_counter()))
+            timeline.append((name, threading.current_thread().name, start, time.perf_counter()))
 
     def drain(self) -> None:
         """Wait for every deferred sparse backward (re-raising its error)."""

@@ -18,24 +18,28 @@ from tests.runtime.test_embedding_rewrite import length_mix, make_task
 STEPS, B = 20, 12
 
 
-def _batches() -> list[dict]:
+def _batches(steps: int = STEPS) -> list[dict]:
     """Global batches with empty, length-1 and full rows (``length_mix``); the same on every rank."""
     out = []
-    for step in range(STEPS):
+    for step in range(steps):
         ids, ts, negatives = length_mix(300 + step, B=B)
         out.append({"ids": ids, "timestamps": ts, "negatives": negatives})
     return out
 
 
-def _train(rank: int, world: int, schedule: str, trace: bool = False) -> dict:
-    """``schedule``: sync, semi-async, six-stage, or six-stage-late (the negative control)."""
+def _train(rank: int, world: int, schedule: str, trace: bool = False, optimizer: str = "adagrad",
+           dedup: str = "two_stage", steps: int = STEPS) -> dict:
+    """``schedule``: sync, semi-async, six-stage, six-stage-late (the negative control: t+1's rows read
+    after t's update), or six-stage-wrong (the step after next announced wrongly every time)."""
     task = make_task()
-    runtime = shard_embeddings(task, backend="native", dedup="two_stage", sharding="row")
-    opt = torch.optim.Adagrad(task.parameters(), lr=0.05)
+    runtime = shard_embeddings(task, backend="native", dedup=dedup, sharding="row")
+    opt = torch.optim.Adagrad(task.parameters(), lr=0.05) if optimizer == "adagrad" \
+        else torch.optim.Adam(task.parameters(), lr=0.01)
     pipeline = SparsePipeline(task, runtime, world=world,
-                              schedule=schedule.removesuffix("-late") if schedule != "sync" else "fwp")
+                              schedule="six-stage" if schedule.startswith("six-stage") else
+                              schedule if schedule != "sync" else "fwp")
     pipeline.read_ahead = not schedule.endswith("-late")
-    batches = _batches()
+    batches = _batches(steps)
     pairs = [(b, {k: v[rank * B // world:(rank + 1) * B // world] for k, v in b.items()}) for b in batches]
     losses, threads = [], set()
     runtime.timeline = [] if trace else None
@@ -48,7 +52,10 @@ def _train(rank: int, world: int, schedule: str, trace: bool = False) -> dict:
             loss.backward()
             loss = loss.detach()
         else:
-            loss = pipeline.step(task, batch, local, *pairs[step + 1:step + 1 + pipeline.lookahead])
+            ahead = pairs[step + 1:step + 1 + pipeline.lookahead]
+            if schedule.endswith("-wrong") and step + 3 < len(pairs):
+                ahead[1] = pairs[step + 3]  # t+3 routed as if it were t+2: dropped and re-routed at t+1
+            loss = pipeline.step(task, batch, local, *ahead)
         for p in dense_parameters(task):
             if p.grad is not None:
                 dist.all_reduce(p.grad)
@@ -100,6 +107,23 @@ def test_six_stage_trains_exactly_like_semi_async_on_two_ranks():
                    and not t.startswith("Main"))
         # the same ids and rows crossed ranks as under semi-async (routing on another group counts the same)
         assert r["six-stage"]["stats"] == r["semi-async"]["stats"]
+
+
+def _semi_and_six(rank: int, world: int, optimizer: str, dedup: str, steps: int) -> dict:
+    return {s: _train(rank, world, s, optimizer=optimizer, dedup=dedup, steps=steps)
+            for s in ("sync", "semi-async", "six-stage", "six-stage-wrong")}
+
+
+@pytest.mark.slow
+def test_six_stage_with_adam_and_no_dedup_on_four_ranks_over_40_steps():
+    """Adam (momentum moves rows without gradient: allowed, as under semi-async), no dedup, 4 ranks;
+    and a caller that announces the wrong step after next: the routing made for it is dropped (its
+    collectives finished on every rank) and the right batch routed, the training unchanged."""
+    results = run_on_ranks(_semi_and_six, 4, "adam", "none", 40)
+    for r in results.values():
+        _assert_same(r["six-stage"], r["semi-async"])
+        _assert_same(r["six-stage-wrong"], r["semi-async"])
+        assert _moved_off(r["six-stage"], r["sync"])
 
 
 def test_six_stage_is_labelled_stale_and_shares_semi_asyncs_resume_key():
