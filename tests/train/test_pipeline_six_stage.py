@@ -196,3 +196,20 @@ def test_trainer_six_stage_is_semi_async_with_a_data_stage():
     for part in ("feature_weights", "dense_weights"):
         for name in semi[part]:
             torch.testing.assert_close(six[part][name], semi[part][name], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_trainer_six_stage_with_cost_balance_and_lbsl_is_semi_async():
+    """The data stage draws LBSL cuts and balanced assignments on its thread, a batch ahead: the
+    rows each rank trains on, and so the training, are semi-async's."""
+    from tests.train.test_distributed import BASE
+
+    base = dataclasses.replace(BASE, sharding="row", sparse_backend="native", sparse_optimizer="adagrad",
+                               sparse_lr=0.05, pipeline="semi-async", steps=12, max_len=48, balance="cost", lbsl=True)
+    results = run_on_ranks(_trainer_worker, 2, [("semi", base), ("six", dataclasses.replace(base, pipeline="six-stage"))])
+    for r in results.values():
+        assert r["six"]["pipeline"]["reason"] is None
+        assert r["six"]["losses"] == r["semi"]["losses"]
+        for part in ("feature_weights", "dense_weights"):
+            for name in r["semi"][part]:
+                torch.testing.assert_close(r["six"][part][name], r["semi"][part][name], rtol=0, atol=0)
