@@ -94,10 +94,10 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
         if bad:
             raise TypeError(f"passes must be GraphPass instances, got {bad!r}")
     passes = _with_precision(passes, opts["precision"], opts["fp8_filter"])
-    if remat_policy:
+    if remat_policy or remat_budget is not None:
         from .passes.remat_policy import RematPolicy
 
-        passes = [p for p in passes if not isinstance(p, RematPolicy)] + [RematPolicy()]
+        passes = [p for p in passes if not isinstance(p, RematPolicy)] + [RematPolicy(selective=remat_policy)]
     dump_dir: Path | None = resolve_dump_dir(opts["dump_dir"])
     sparse_plan = ""
     if opts["sparse"] is not None:

@@ -8,6 +8,11 @@ name here, beside its schema, so neither this layer nor the runtime imports the 
     declared(target) -> "embedding" | None                              # what op_semantics reads
 
 Only the names in ``MEANINGS`` can be declared: each is a contract the passes rely on.
+
+An op whose implementation acts outside the graph (a runtime's collectives and state) but whose
+schema is functional declares that too — ``declare_effects(op)`` / ``has_effects(target)`` — so
+that nothing runs it more often than the user's code does (rematerialisation must save its
+output, never recompute it).
 """
 from __future__ import annotations
 
@@ -36,4 +41,21 @@ def declared(target: Any) -> Optional[str]:
     return _DECLARED.get(target)
 
 
-__all__ = ["MEANINGS", "declare", "declared"]
+_EFFECTS: set[Any] = set()
+
+
+def declare_effects(*targets: Any) -> None:
+    """Declare that calling ``targets`` (op overloads or packets) acts outside the graph: each call
+    the user's code makes must run exactly once."""
+    _EFFECTS.update(targets)
+
+
+def has_effects(target: Any) -> bool:
+    """Whether an op declared effects for ``target`` (False for unhashable targets)."""
+    try:
+        return target in _EFFECTS
+    except TypeError:
+        return False
+
+
+__all__ = ["MEANINGS", "declare", "declared", "declare_effects", "has_effects"]

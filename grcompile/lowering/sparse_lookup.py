@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from . import lookup, register_op
-from .semantics import declare
+from .semantics import declare, declare_effects
 
 # (handle, feature) -> the feature's embedding dim D: what the fake needs to size the output
 _FEATURE_DIM: list[Callable[[int, str], int]] = []
@@ -90,6 +90,8 @@ def _backward(ctx, grad):
 
 sparse_lookup.register_autograd(_backward, setup_context=_setup_context)
 declare("embedding", torch.ops.grcompile.sparse_lookup.default, torch.ops.grcompile.sparse_lookup)
+# the lookup runs the runtime's collectives and keeps state for its backward: never run twice
+declare_effects(torch.ops.grcompile.sparse_lookup.default, torch.ops.grcompile.sparse_lookup)
 
 SPARSE_LOOKUP = torch.ops.grcompile.sparse_lookup.default
 

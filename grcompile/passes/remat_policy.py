@@ -13,6 +13,11 @@ Emits: no new nodes; the matched nodes get ``meta["recompute"] = CheckpointPolic
 the tag ``torch.utils.checkpoint``'s selective checkpointing sets. It travels into AOTAutograd's
 joint graph (``recompute`` is a preserved node-meta field) and the min-cut partitioner never saves
 a tagged node's output: whatever the backward needs of it is recomputed from what is saved.
+Also, with any ``remat`` (the policy or a partitioner budget, which appends this pass with
+``selective=False``): every op that declared effects outside the graph (``grcompile::sparse_lookup``:
+the sparse runtime's collectives) gets ``CheckpointPolicy.MUST_SAVE``. Under a budget the
+partitioner's knapsack may recompute any op it believes functional, custom ops included; a
+recomputed lookup would run the runtime's exchange a second time in the backward.
 Invariant: values and gradients unchanged — the recomputed ops are deterministic functions of
 saved tensors (no random op is ever tagged); only what is saved for the backward changes.
 Runs last (after ``fuse_norm_gate`` and ``fp8_linear``: it reads the fused ops they emit).
@@ -26,6 +31,7 @@ from .pass_manager import GraphPass, PassContext
 from .op_semantics import canonical, dropout_is_identity
 from ..lowering.fp8 import FP8_LINEAR
 from ..lowering.norm import GATED_NORM
+from ..lowering.semantics import has_effects
 
 RECOMPUTE = "recompute"
 # value-wise or layout-only: recomputing them from a recomputed input is cheap and exact
@@ -81,13 +87,30 @@ def tag_recompute(graph: fx.Graph) -> list[fx.Node]:
     return list(gemms)
 
 
+def protect_effects(graph: fx.Graph) -> list[fx.Node]:
+    """Tag every node of an op with effects outside the graph ``MUST_SAVE``; return them."""
+    effectful = [n for n in graph.nodes if n.op == "call_function" and has_effects(n.target)]
+    for node in effectful:
+        node.meta[RECOMPUTE] = CheckpointPolicy.MUST_SAVE
+    return effectful
+
+
 class RematPolicy(GraphPass):
-    """Tag every block's norm → input projection → split chain for recomputation (module docstring)."""
+    """Tag every block's norm → input projection → split chain for recomputation (module
+    docstring); ``selective=False``: only protect the ops with effects (a partitioner budget)."""
+
+    def __init__(self, selective: bool = True) -> None:
+        self.selective = selective
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        saved = protect_effects(gm.graph)
+        if saved:
+            ctx.count("must_save.effects", len(saved))
+        if not self.selective:
+            return
         tagged = tag_recompute(gm.graph)
-        seeds = [n for n in tagged if _is_seed(n)]
-        for node in seeds:
-            ctx.rewrite("recompute", node)
+        for node in tagged:
+            if _is_seed(node):
+                ctx.rewrite("recompute", node)
         ctx.count("recompute.nodes", len(tagged))
         ctx.count("recompute.projections", sum(1 for n in tagged if _is_projection(n)))

@@ -173,3 +173,36 @@ def test_remat_option_is_checked():
             grcompile.optimize(torch.nn.Linear(2, 2), remat=bad)
     for good in (True, "selective", 0.5, None, False):
         grcompile.optimize(torch.nn.Linear(2, 2), remat=good)
+
+
+@pytest.mark.parametrize("remat", [0.05, True])
+def test_sparse_lookups_run_once_per_forward(remat, monkeypatch):
+    """A partitioner budget may recompute any op it takes for functional; the sparse lookup runs
+    the runtime's exchange, so it is saved (MUST_SAVE), never recomputed in the backward (without
+    the tag a budget of 0.05 ran every lookup a second time there)."""
+    from grcompile.runtime import shard_embeddings
+    from grcompile.runtime.sparse import TABLES_ATTR, SparseRuntime
+    from tests.runtime.test_embedding_rewrite import V, length_mix, make_task
+
+    calls = []
+    forward = SparseRuntime.forward
+    monkeypatch.setattr(SparseRuntime, "forward", lambda self, feature, ids, *, keep_graph:
+                        calls.append(feature) or forward(self, feature, ids, keep_graph=keep_graph))
+    reference = make_task()
+    task = copy.deepcopy(reference)
+    shard_embeddings(task)
+    compiled = grcompile.optimize(task, remat=remat, lowering="eager")
+    for seed in range(2):
+        ids, ts, negatives = length_mix(10 + seed)
+        calls.clear()
+        got, expected = compiled(ids, ts, negatives), reference(ids, ts, negatives)
+        lookups = len(calls)
+        got.backward()
+        expected.backward()
+        assert lookups > 0 and len(calls) == lookups, (lookups, len(calls))
+        torch.testing.assert_close(got, expected)
+        table = getattr(task, TABLES_ATTR).weights["merged_float64_d16"]
+        torch.testing.assert_close(table.grad[:V + 1], reference.encoder.item_embedding.weight.grad)
+        task.zero_grad()
+        reference.zero_grad()
+    assert grcompile.report(compiled).counters["remat_policy.must_save.effects"] > 0
