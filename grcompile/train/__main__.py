@@ -21,6 +21,7 @@ from models import PRESETS
 from ..data import DATASETS
 from .config import SPARSE_OPTIMIZERS, TrainConfig, argparse_type, resolve_sparse_optimizer
 from .loop import train
+from .pipeline import PIPELINES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,12 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "tables: any id >= 0, inserted on first sight, sharded by id when distributed")
     d.add_argument("--checkpoint-every", type=argparse_type("checkpoint_every"), default=None,
                    help="also checkpoint every N steps")
-    d.add_argument("--pipeline", choices=("sync", "fwp", "dbp", "dbp+fwp", "semi-async", "six-stage"), default="sync",
+    d.add_argument("--pipeline", choices=PIPELINES, default="sync",
                    help="sparse pipeline schedule (native backend): fwp overlaps the embedding/gradient all-to-alls "
                         "of micro-batches with their neighbours' compute; dbp routes and reads the next batch's rows "
                         "during this step; the training is the synchronous one in each; semi-async sends the next "
-                        "batch's embeddings during this step, one step STALE; six-stage is semi-async's training with the "
-                        "data loading and the key routing on threads of their own, two steps ahead (docs/pipelines.md)")
+                        "batch's embeddings during this step, one step STALE; six-stage is semi-async's training "
+                        "with the data loading and the key routing on threads of their own, two steps ahead "
+                        "(docs/pipelines.md)")
     d.add_argument("--micro-batches", type=argparse_type("micro_batches"), default=4, help="fwp: per step")
     d.add_argument("--balance", choices=("equal", "tokens", "cost"), default="equal",
                    help="rows of the global batch to ranks: equal slices, or by a greedy on tokens or on estimated "

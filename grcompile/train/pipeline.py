@@ -439,5 +439,5 @@ def _compare(expected: list[tuple[str, torch.Tensor]], recorded: list[tuple[str,
     return None
 
 
-__all__ = ["DataStage", "SparsePipeline", "setup_pipeline", "KeyExtractor", "PIPELINES", "PipelineUnsupported", "cluster_rows",
-           "unique_ids_sent"]
+__all__ = ["DataStage", "SparsePipeline", "setup_pipeline", "KeyExtractor", "PIPELINES", "PipelineUnsupported",
+           "cluster_rows", "unique_ids_sent"]

@@ -206,7 +206,8 @@ def test_trainer_six_stage_with_cost_balance_and_lbsl_is_semi_async():
 
     base = dataclasses.replace(BASE, sharding="row", sparse_backend="native", sparse_optimizer="adagrad",
                                sparse_lr=0.05, pipeline="semi-async", steps=12, max_len=48, balance="cost", lbsl=True)
-    results = run_on_ranks(_trainer_worker, 2, [("semi", base), ("six", dataclasses.replace(base, pipeline="six-stage"))])
+    jobs = [("semi", base), ("six", dataclasses.replace(base, pipeline="six-stage"))]
+    results = run_on_ranks(_trainer_worker, 2, jobs)
     for r in results.values():
         assert r["six"]["pipeline"]["reason"] is None
         assert r["six"]["losses"] == r["semi"]["losses"]
