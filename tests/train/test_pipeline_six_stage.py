@@ -181,12 +181,12 @@ def _trainer_worker(rank, world, jobs):
 
 
 def test_trainer_six_stage_is_semi_async_with_a_data_stage():
-    """``--pipeline six-stage`` through the trainer (2 native ranks, Adagrad tables, 10 steps, the
+    """``--pipeline six-stage`` through the trainer (2 native ranks, Adagrad tables, 6 steps, the
     data stage on its thread): semi-async's losses and weights, labelled STALE."""
     from tests.train.test_distributed import BASE
 
     base = dataclasses.replace(BASE, sharding="row", sparse_backend="native", sparse_optimizer="adagrad",
-                               sparse_lr=0.05, pipeline="semi-async", steps=10)
+                               sparse_lr=0.05, pipeline="semi-async", steps=6)
     jobs = [("semi", base), ("six", dataclasses.replace(base, pipeline="six-stage"))]
     results = run_on_ranks(_trainer_worker, 2, jobs)[0]
     six, semi = results["six"], results["semi"]
