@@ -106,6 +106,7 @@ class GrcompileBackend:
             log.info("grcompile graph %d: input %s has a zero-size dimension; runs as captured", k, empty)
             return gm.forward
         captured = fx.GraphModule(gm, copy_graph(gm.graph))  # for the lowering fallbacks below
+        state.shapes.make_lowerable(captured)  # guard-free spellings of symbolic sizes (shapes.py, point 4)
         if (why := state.shapes.recompile_reason(k)) is not None:
             state.recompiles.append(why)
         state.shapes.learn(gm)  # which inputs carry rows / positions, for the next shape change
@@ -124,6 +125,7 @@ class GrcompileBackend:
             self._emit(k, r.index, r.name, g, [f"after pass {r.index}/{n_passes} '{r.name}'", *what])
 
         run_pipeline(gm, state.passes, ctx, on_pass=on_pass)
+        state.shapes.make_lowerable(gm, ctx)  # after the passes: they read the user's spellings
         state.rewrites += ctx.rewrites
         state.fallbacks += ctx.fallbacks
         state.counters.update(ctx.counters)

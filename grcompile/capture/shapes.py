@@ -18,6 +18,19 @@ What grcompile does instead, scoped to calls of the optimized model:
 3. Duck sizing is off inside our calls (``use_duck_shape=False``): a ``[B, R]`` input with
    ``R == N`` at the moment of the recompile does not get N's symbol (it would be guarded equal).
 
+4. Unbacked rows must survive AOTAutograd's joint trace, which runs autograd's C++ formulas on
+   the symbols: ``x.repeat(batch_size, 1, 1)`` (a learned position table spread over the batch)
+   has a backward that branches on each count (``Eq(u0, 0)``, ``Ne(u0, 1)``), and an unbacked
+   count cannot answer: ``GuardOnDataDependentSymNode``, the graph cannot be lowered and would
+   run eagerly. So every graph is made lowerable just before lowering (``make_lowerable``: the
+   transformed graph after the passes, and the copy kept as captured for the lowering fallback):
+   ``repeat`` / ``tile`` by symbolic counts become ``expand`` (+ ``flatten`` for tiled axes) + a
+   contiguous ``clone`` — ``passes/symbolic_repeat.py``: the same elements, a fresh tensor, the same gradient sums, and a
+   backward (``sum_to``) that decides broadcast axes from static sizes only. Not chosen: hints for
+   unbacked sizes (``hint_override`` / ``backed_size_oblivious``) would answer the guard with this
+   batch's size: a graph silently specialised to one B, or a recompile per B; nor backing the batch
+   on failure (a recompile per batch of 1 again, the thing unbacked rows exist to avoid).
+
 Why positions stay backed: unbacked positions make library code break the graph
 (``nn.MultiheadAttention`` views with ``-1`` and tests ``N == 0``: measured, 2 graph breaks),
 and ``backed_size_oblivious`` (which would cover N = 1 too) makes inductor specialise N again in
@@ -148,6 +161,20 @@ class ShapePolicy:
         return "input shapes changed (" + ", ".join(changed + [f"{n} new" for n in new]) + ")"
 
     # ------------------------------------------------------------------ from the backend
+    @staticmethod
+    def make_lowerable(gm: fx.GraphModule, ctx: Any = None) -> None:
+        """Rewrite, in place, the spellings whose autograd formula cannot be traced once a row axis
+        is unbacked (``repeat`` / ``tile`` by a symbolic count -> ``expand``; the module docstring,
+        point 4): for the graph as captured and for the transformed graph after the passes (which
+        read the user's spellings), just before lowering. A no-op on static graphs. ``ctx`` (a
+        ``PassContext``) records the rewrites in the report; None records nothing.
+        """
+        from ..passes.pass_manager import PassContext, run_pipeline
+        from ..passes.symbolic_repeat import SymbolicRepeat, repeat_counts
+
+        if any(repeat_counts(n) is not None for n in gm.graph.nodes):
+            run_pipeline(gm, [SymbolicRepeat()], ctx if ctx is not None else PassContext())
+
     def learn(self, gm: fx.GraphModule) -> None:
         """Record which inputs of the call in progress carry row / position axes of ``gm``
         (placeholders whose example is one of the call's tensors, by identity). Graphs of one

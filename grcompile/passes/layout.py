@@ -159,9 +159,11 @@ def _repeat(node: fx.Node, op: str, layout: Layout, in_shape: tuple[int, ...], n
     if op == "repeat":
         reps = node.args[1:] if len(node.args) > 2 else arg(node, 1, "repeats")
         reps = list(reps) if isinstance(reps, (list, tuple)) else [reps]
-        if not all(isinstance(r, int) for r in reps) or len(reps) < len(in_shape):
+        if not all(isinstance(r, (int, fx.Node)) for r in reps) or len(reps) < len(in_shape):
             return None
-        tiled = {a for a in range(len(in_shape)) if reps[a + len(reps) - len(in_shape)] != 1}
+        # a count that is a graph value (a symbolic size: the batch after a shape change) may be
+        # anything but is only allowed on a size-1 axis, as a count other than 1 is
+        tiled = {a for a in range(len(in_shape)) if not is_one(example(reps[a + len(reps) - len(in_shape)]))}
     else:
         repeats, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
         if not isinstance(repeats, int) or not isinstance(dim, int):

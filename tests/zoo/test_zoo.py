@@ -252,10 +252,7 @@ def test_bf16_autocast_keeps_every_rewrite_and_the_eager_accuracy(name):
 
 # model -> why AOTAutograd cannot split its symbolic-shape graph (the graph then runs as is, saving
 # every activation, reported; values stay exact — checked before the strict xfail's assertion)
-REMAT_NOT_YET = {
-    "bert4rec_pytorch": "after a new batch size: autograd's backward of `.repeat(batch_size, 1, 1)` guards on the "
-                        "unbacked batch size (Ne(u0, 1)); inductor's lowering fails on the same graph without remat",
-}
+REMAT_NOT_YET: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.xfail(reason=REMAT_NOT_YET[m], strict=True))
