@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 SCHEDULES = ("sync", "fwp", "dbp", "dbp+fwp", "semi-async", "six-stage")
+OVERLAP = "+overlap"  # a schedule name's suffix: the dense all-reduce overlapped with the last backward
 
 
 # -- one rank ----------------------------------------------------------------------------------------
@@ -62,9 +63,12 @@ def _run_schedule(args, schedule: str, rank: int, world: int) -> dict[str, Any]:
     from models import SampledSoftmaxRetrieval, build_encoder
 
     from ..runtime import dense_parameters, shard_embeddings
+    from ..train.grad_sync import OverlappedAllReduce
     from ..train.parallel import all_reduce_gradients
     from ..train.pipeline import SparsePipeline
 
+    overlapped = schedule.endswith(OVERLAP)
+    schedule = schedule.removesuffix(OVERLAP)
     torch.manual_seed(0)
     encoder = build_encoder(args.model, "ml1m", args.items, max_len=args.max_len, num_blocks=args.blocks,
                             embedding_dim=args.dim, attention_dim=args.dim, linear_dim=args.dim, dropout=0.0)
@@ -74,7 +78,10 @@ def _run_schedule(args, schedule: str, rank: int, world: int) -> dict[str, Any]:
     optimizers = [torch.optim.Adam(dense, lr=1e-3), torch.optim.Adagrad(runtime.tables.parameters(), lr=0.05)]
     pipeline = SparsePipeline(task, runtime, args.micro_batches, world=world,
                               schedule=schedule if schedule != "sync" else "fwp")
-    steps, B = [], args.batch_size
+    overlap = OverlappedAllReduce(dense, dist.new_group(), args.bucket_mb) if overlapped else None
+    if overlap is not None:
+        pipeline.before_backward = lambda i, n: overlap.arm() if i == n - 1 else None
+    steps, all_reduce, B = [], [], args.batch_size
     traced_step = args.warmup + 1
     batches = _batches(args, args.warmup + args.steps)
 
@@ -93,23 +100,35 @@ def _run_schedule(args, schedule: str, rank: int, world: int) -> dict[str, Any]:
         with runtime.span("forward+backward"):
             if schedule == "sync":
                 weight = task.count_targets(local["ids"]) / max(task.count_targets(batch["ids"]), 1)
-                (task(local["ids"], local["timestamps"], local["negatives"]) * weight).backward()
+                loss = task(local["ids"], local["timestamps"], local["negatives"]) * weight
+                if overlap is not None:
+                    overlap.arm()
+                loss.backward()
             else:
                 ahead = [(b, local_of(b)) for b in batches[i + 1:i + 1 + pipeline.lookahead]]
                 pipeline.step(task, batch, local, *ahead)
-        with runtime.span("dense all-reduce"):
-            all_reduce_gradients(dense)
+        reduce_start = time.perf_counter()
+        with runtime.span("dense all-reduce" + (" wait" if overlap is not None else "")):
+            if overlap is not None:
+                overlap.finish()  # launched bucket by bucket during the last backward
+            else:
+                all_reduce_gradients(dense)
+        all_reduce_end = time.perf_counter()
         with runtime.span("optimizer"):
             for opt in optimizers:
                 opt.step()
         if i >= args.warmup:
             steps.append(time.perf_counter() - start)
+            all_reduce.append(all_reduce_end - reduce_start)
         if timeline is not None:
             trace = [(name, thread, t0 - start, t1 - start) for name, thread, t0, t1 in timeline]
         runtime.timeline = None
     stats = runtime.tables.stats.as_dict()
+    if overlap is not None:
+        overlap.close()
     return {"step_s": steps, "trace": trace, "sparse_stats": stats, "unique_ids": pipeline.unique_ids,
-            "micro_batches": pipeline.micro_batches and min(pipeline.micro_batches, B // world)}
+            "micro_batches": pipeline.micro_batches and min(pipeline.micro_batches, B // world),
+            "dense_all_reduce_s": all_reduce, "dense_buckets": len(overlap.buckets) if overlap is not None else 1}
 
 
 def worker(args) -> None:
@@ -147,7 +166,7 @@ def _launch(args, rate_mbit, tmp: Path, label: str) -> list[dict]:
 
 def _passthrough(args) -> list[str]:
     keys = ("model", "items", "max_len", "blocks", "dim", "batch_size", "negatives", "micro_batches", "steps",
-            "warmup", "seed", "threads", "schedules")
+            "warmup", "seed", "threads", "schedules", "bucket_mb")
     return [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
 
 
@@ -166,6 +185,10 @@ def summarize(limited: list[dict], unlimited: list[dict]) -> dict[str, Any]:
                   "exposed_comm_ms": round(lim - unl, 1),
                   "exposed_comm_ratio": round((lim - unl) / comm, 3) if comm > 0 else None,
                   "embedding_bytes_per_rank": limited[0][s]["sparse_stats"]["embedding_bytes"],
+                  "dense_all_reduce_ms_limited_link": round(1e3 * statistics.median(
+                      max(r[s]["dense_all_reduce_s"][i] for r in limited)
+                      for i in range(len(limited[0][s]["dense_all_reduce_s"]))), 1),
+                  "dense_buckets": limited[0][s]["dense_buckets"],
                   "micro_batches": limited[0][s]["micro_batches"] if "fwp" in s else 1,
                   "unique_ids": limited[0][s]["unique_ids"] if "fwp" in s else None}
     out["communication_ms"] = round(comm, 1)
@@ -230,7 +253,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--schedules", default=",".join(SCHEDULES))
+    p.add_argument("--schedules", default=",".join(SCHEDULES),
+                   help=f"comma-separated; a name with '{OVERLAP}' (sync{OVERLAP}, dbp+fwp{OVERLAP}, ...) overlaps the "
+                        f"dense all-reduce with the last backward (train/grad_sync.py)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help=f"the {OVERLAP} schedules' bucket size cap")
     p.add_argument("--port", type=int, default=29631)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--trace", type=Path, default=None)

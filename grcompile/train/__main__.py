@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--lbsl", action="store_true",
                    help="ULTRA-HSTU's load-balanced stochastic length: long sequences cut at random, each rank to a "
                         "load target Σ n^1.5 (changes the data, as SL does; docs/load-balancing.md)")
+    d.add_argument("--overlap-allreduce", action=argparse.BooleanOptionalAction, default=False,
+                   help="all-reduce the dense gradients in buckets during the step's last backward (DDP-style, a "
+                        "process group of its own) instead of after it; the same sums (docs/pipelines.md)")
+    d.add_argument("--bucket-mb", type=argparse_type("bucket_mb"), default=25.0,
+                   help="--overlap-allreduce: bucket size cap in MB")
     d.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection (tests)
     return p
 
@@ -134,6 +139,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        checkpoint_every=args.checkpoint_every, model_overrides=overrides,
                        pipeline=args.pipeline, micro_batches=args.micro_batches, balance=args.balance,
                        token_budget=args.token_budget, lbsl=args.lbsl,
+                       overlap_allreduce=args.overlap_allreduce, bucket_mb=args.bucket_mb,
                        dynamic_features=[m for m in args.dynamic_tables.split(",") if m])
     try:
         return resolve_sparse_optimizer(config)  # before any process group: a refused combination fails at once

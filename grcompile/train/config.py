@@ -51,7 +51,7 @@ BOUNDS: dict[str, Bound] = {
     "num_negatives": Bound(int, 1),  # 0 negatives: a softmax over the positive alone, loss exactly 0
     "patience": Bound(int, 1), "eval_every": Bound(int, 1), "k_core": Bound(int, 0), "threads": Bound(int, 1),
     "hsp_group_size": Bound(int, 1), "checkpoint_every": Bound(int, 1), "micro_batches": Bound(int, 1),
-    "token_budget": Bound(float, 0, inclusive=False),
+    "token_budget": Bound(float, 0, inclusive=False), "bucket_mb": Bound(float, 0, inclusive=False),
     # model_overrides / synthetic entries
     "dropout": Bound(float, 0, high=1), "embedding_dim": Bound(int, 1), "num_blocks": Bound(int, 1),
     "num_categories": Bound(int, 0), "num_users": Bound(int, 1), "num_items": Bound(int, 1),
@@ -117,6 +117,9 @@ class TrainConfig:
     balance: str = "equal"  # rows to ranks: equal slices | tokens | cost (data/balance.py)
     token_budget: float | None = None  # tokens per rank and step: batches cut by it, not batch_size (token_batching.py)
     lbsl: bool = False  # ULTRA-HSTU's load-balanced stochastic length: cuts long sequences (stochastic_length.py)
+    # the dense gradient all-reduce in buckets during the last backward (grad_sync.py); same sums
+    overlap_allreduce: bool = False
+    bucket_mb: float = 25.0  # its bucket size cap
     synthetic: dict[str, Any] = field(default_factory=dict)  # SyntheticConfig overrides
     model_overrides: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides
 

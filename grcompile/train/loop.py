@@ -18,8 +18,10 @@ from models import SampledSoftmaxRetrieval, build_encoder
 from ..data import EvalLoader, TrainLoader, get_dataset
 from ..data.stochastic_length import LoadBalancedStochasticLength, lbsl_cut
 from ..data.token_batching import TokenBudgetLoader
+from ..runtime.sparse import dense_parameters
 from . import checkpoint
 from .config import TrainConfig, resolve_sparse_optimizer
+from .grad_sync import OverlappedAllReduce
 from .metrics import evaluate
 from .pipeline import PIPELINES, STALE, DataStage, setup_pipeline
 from .parallel import Parallel, StepTiming, dense_state, load_distributed, make_optimizers, save_distributed
@@ -69,6 +71,9 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         f"{ds.num_items} items, max_len {max_len}, {len(loader)} steps/epoch; {describe_mode(compiled)}, {config.precision}")
     log(f"[grcompile.train] sparse optimizer {config.sparse_optimizer}: {config.sparse_optimizer_reason}")
     pipeline, pipeline_info = setup_pipeline(task, config, parallel, optimizers, log)
+    overlap = _overlapped_all_reduce(task, config, parallel, log)
+    if pipeline is not None and overlap is not None:  # armed before the last micro-batch's backward only
+        pipeline.before_backward = lambda i, n: overlap.arm() if i == n - 1 else None
 
     lbsl = LoadBalancedStochasticLength(parallel.world, max_len, seed=config.seed) if config.lbsl else None
     state: dict[str, Any] = dict(epoch=0, step_in_epoch=0, global_step=0, losses=[], valid_history=[],
@@ -150,6 +155,8 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
                 def forward_backward() -> None:
                     nonlocal loss
                     loss = step_fn(local["ids"], local["timestamps"], local["negatives"]) * step.weight
+                    if overlap is not None:
+                        overlap.arm()  # the step's only backward
                     loss.backward()
 
                 if pipeline is None:
@@ -160,7 +167,7 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
                     if reason is not None:
                         log(f"[grcompile.train] --pipeline {config.pipeline} declined, running sync: {reason}")
                         pipeline_info["running"], pipeline = "sync", None
-            parallel.sync_gradients(task)
+            _sync_gradients(parallel, task, overlap)
             for opt in optimizers:
                 opt.step()
             timing.end()
@@ -239,6 +246,9 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
         "compile_mode": describe_mode(compiled),
         "precision": config.precision,
         "pipeline": {k: v for k, v in pipeline_info.items() if k != "verified"},
+        "dense_all_reduce": ({"overlapped": True, "buckets": len(overlap.buckets), "bucket_mb": config.bucket_mb,
+                              "buckets_sent_during_backward": overlap.launched_in_backward}
+                             if overlap is not None else {"overlapped": False}),
         "step_time_ms": timing.summary(),
     }
     if return_weights:
@@ -247,6 +257,37 @@ def train(config: TrainConfig, *, checkpoint_dir: str | None = None, resume: boo
     if parallel.distributed:
         result["sparse_stats"] = train_stats
     return result
+
+
+def _overlapped_all_reduce(task, config: TrainConfig, parallel: Parallel, log) -> Optional[OverlappedAllReduce]:
+    """``--overlap-allreduce`` on ranks: the dense gradients' all-reduce in buckets launched by
+    gradient hooks during the step's last backward, on a process group of its own (every rank makes
+    it here, in the same order as the other groups); ``None`` in one process or when not asked."""
+    if not (config.overlap_allreduce and parallel.distributed):
+        return None
+    import torch.distributed as dist
+
+    dense = [p for p in dense_parameters(task) if p.requires_grad]
+    overlap = OverlappedAllReduce(dense, dist.new_group(), config.bucket_mb)
+    sizes = ", ".join(f"{sum(p.numel() * p.element_size() for p in b) / 2 ** 20:.2f}" for b in overlap.buckets)
+    log(f"[grcompile.train] dense all-reduce overlapped with the last backward: {len(overlap.buckets)} bucket(s) "
+        f"of {sizes} MB (cap {config.bucket_mb:g} MB) on a process group of its own")
+    return overlap
+
+
+def _sync_gradients(parallel: Parallel, task, overlap: Optional[OverlappedAllReduce]) -> None:
+    """``parallel.sync_gradients``, with the dense all-reduce finished by ``overlap`` where it runs:
+    what ``finish()`` still waits for is counted as the step's dense all-reduce time."""
+    if overlap is None:
+        parallel.sync_gradients(task)
+        return
+    start = time.perf_counter()
+    if parallel.runtime is not None:
+        parallel.runtime.after_backward()
+    middle = time.perf_counter()
+    parallel.seconds["hsp_sync"] += middle - start
+    overlap.finish()
+    parallel.seconds["dense_all_reduce"] += time.perf_counter() - middle
 
 
 @dataclass
@@ -327,6 +368,7 @@ def _resume_key(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:
     if key.get("precision", "fp32") == "fp32":  # keys written before the field existed were fp32
         key.pop("precision", None)
     for field in ("epochs", "steps", "max_minutes", "threads", "sharding", "hsp_group_size", "dedup",
-                  "checkpoint_every", "sparse_optimizer_reason", "micro_batches", "balance"):
+                  "checkpoint_every", "sparse_optimizer_reason", "micro_batches", "balance", "overlap_allreduce",
+                  "bucket_mb"):
         key.pop(field, None)
     return key

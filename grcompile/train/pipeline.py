@@ -135,6 +135,9 @@ class SparsePipeline:
         self._upcoming: Optional[tuple[Batch, list[Batch], list, int]] = None  # DBP: the next step, routed
         # the fewest rows a rank gets of a global batch (equal slices unless the trainer balances)
         self.fewest_rows: Callable[[Batch], int] = lambda batch: batch["ids"].shape[0] // world
+        # called as (i, n) before micro-batch i of n runs its backward: the trainer arms the overlapped
+        # dense all-reduce before the last one (``grad_sync.py``; i == n - 1)
+        self.before_backward: Optional[Callable[[int, int], None]] = None
 
     def check_runtime(self, runtime: Optional[SparseRuntime]) -> None:
         """Raise ``PipelineUnsupported`` where the schedule cannot hold."""
@@ -260,6 +263,8 @@ class SparsePipeline:
                     runtime.exchange_routed(len(keys[i + 1]))  # its embeddings travel while this one computes
                 loss = step_fn(mb["ids"], mb["timestamps"], mb["negatives"]) \
                     * (self.task.count_targets(mb["ids"]) / global_targets)
+                if self.before_backward is not None:
+                    self.before_backward(i, len(micro))
                 loss.backward()  # with FWP the sparse part of it goes on on the gradient thread
                 total = total + loss.detach()
             runtime.drain()
@@ -314,9 +319,11 @@ class SparsePipeline:
         runtime.defer_sparse_backward(True)
         total = torch.zeros(())
         try:
-            for mb in micro:
+            for i, mb in enumerate(micro):
                 loss = step_fn(mb["ids"], mb["timestamps"], mb["negatives"]) \
                     * (self.task.count_targets(mb["ids"]) / global_targets)
+                if self.before_backward is not None:
+                    self.before_backward(i, len(micro))
                 loss.backward()  # the sparse part of it goes on on the gradient thread
                 total = total + loss.detach()
             runtime.drain()
