@@ -15,7 +15,15 @@ link and on an unlimited one. Then, per schedule s:
 
 Also written: a Chrome/Perfetto trace of one measured step per schedule (rank 0; threads: main,
 the gradient thread, and six-stage's routing thread) and a PNG of it. The batches are made before
-the timed steps, so six-stage's dataloader stage (a thread in the trainer) has nothing to hide here. Example::
+the timed steps, so six-stage's dataloader stage (a thread in the trainer) has nothing to hide here.
+
+The dense all-reduce: ``SCHEDULE+overlap`` runs it bucket by bucket during the last backward
+(``train/grad_sync.py``, ``--bucket-mb``); ``SCHEDULE+ab`` alternates the serial and the overlapped
+all-reduce step by step in one run, each batch twice in a row (once per half; use an even
+``--warmup``), reported as ``SCHEDULE`` and ``SCHEDULE+overlap`` (both halves under the same
+machine load and batches; sparse stats and unique ids are the whole run's). Per schedule the
+dense all-reduce's exposed time is reported too (serial: all of it; overlapped: ``finish()``'s wait).
+Example::
 
     python -m grcompile.bench.pipeline --world 2 --rate-mbit 200 --json docs/bench/pipeline-2ranks.json \\
         --trace docs/bench/pipeline-2ranks.trace.json --plot docs/bench/pipeline-2ranks.png
@@ -37,6 +45,9 @@ import torch
 
 SCHEDULES = ("sync", "fwp", "dbp", "dbp+fwp", "semi-async", "six-stage")
 OVERLAP = "+overlap"  # a schedule name's suffix: the dense all-reduce overlapped with the last backward
+# a schedule name's suffix: serial and overlapped dense all-reduce on alternate steps of one run (both
+# halves see the same machine load; reported as the schedule and the schedule + OVERLAP)
+INTERLEAVED = "+ab"
 
 
 # -- one rank ----------------------------------------------------------------------------------------
@@ -67,7 +78,9 @@ def _run_schedule(args, schedule: str, rank: int, world: int) -> dict[str, Any]:
     from ..train.parallel import all_reduce_gradients
     from ..train.pipeline import SparsePipeline
 
-    overlapped = schedule.endswith(OVERLAP)
+    interleaved = schedule.endswith(INTERLEAVED)
+    schedule = schedule.removesuffix(INTERLEAVED)
+    overlapped = schedule.endswith(OVERLAP) or interleaved
     schedule = schedule.removesuffix(OVERLAP)
     torch.manual_seed(0)
     encoder = build_encoder(args.model, "ml1m", args.items, max_len=args.max_len, num_blocks=args.blocks,
@@ -78,20 +91,26 @@ def _run_schedule(args, schedule: str, rank: int, world: int) -> dict[str, Any]:
     optimizers = [torch.optim.Adam(dense, lr=1e-3), torch.optim.Adagrad(runtime.tables.parameters(), lr=0.05)]
     pipeline = SparsePipeline(task, runtime, args.micro_batches, world=world,
                               schedule=schedule if schedule != "sync" else "fwp")
-    overlap = OverlappedAllReduce(dense, dist.new_group(), args.bucket_mb) if overlapped else None
-    if overlap is not None:
-        pipeline.before_backward = lambda i, n: overlap.arm() if i == n - 1 else None
-    steps, all_reduce, B = [], [], args.batch_size
-    traced_step = args.warmup + 1
+    overlap_of_all = OverlappedAllReduce(dense, dist.new_group(), args.bucket_mb) if overlapped else None
+    overlap = overlap_of_all  # this step's (None: the serial all-reduce)
+    pipeline.before_backward = lambda i, n: overlap.arm() if overlap is not None and i == n - 1 else None
+    # per half (serial: False, overlapped: True): step times, dense all-reduce times
+    steps, all_reduce, B = {False: [], True: []}, {False: [], True: []}, args.batch_size
+    traced_steps = {args.warmup + 1, args.warmup + 2} if interleaved else {args.warmup + 1}  # one per half
+    traces: dict[bool, list] = {}
     batches = _batches(args, args.warmup + args.steps)
+    if interleaved:  # each batch twice in a row, once per half: the halves time the same batches
+        batches = [{k: v.clone() for k, v in b.items()} for b in batches[:(len(batches) + 1) // 2] for _ in (0, 1)]
+        batches = batches[:args.warmup + args.steps]
 
     def local_of(batch):
         return {k: v[rank * B // world:(rank + 1) * B // world] for k, v in batch.items()}
 
     for i, batch in enumerate(batches):
+        overlap = overlap_of_all if not interleaved or i % 2 else None
         local = local_of(batch)
         dist.barrier()
-        timeline: list = [] if i == traced_step else None
+        timeline: list = [] if i in traced_steps else None
         runtime.timeline = timeline
         start = time.perf_counter()
         for opt in optimizers:
@@ -118,17 +137,23 @@ def _run_schedule(args, schedule: str, rank: int, world: int) -> dict[str, Any]:
             for opt in optimizers:
                 opt.step()
         if i >= args.warmup:
-            steps.append(time.perf_counter() - start)
-            all_reduce.append(all_reduce_end - reduce_start)
+            steps[overlap is not None].append(time.perf_counter() - start)
+            all_reduce[overlap is not None].append(all_reduce_end - reduce_start)
         if timeline is not None:
-            trace = [(name, thread, t0 - start, t1 - start) for name, thread, t0, t1 in timeline]
+            traces[overlap is not None] = [(name, thread, t0 - start, t1 - start) for name, thread, t0, t1 in timeline]
         runtime.timeline = None
     stats = runtime.tables.stats.as_dict()
-    if overlap is not None:
-        overlap.close()
-    return {"step_s": steps, "trace": trace, "sparse_stats": stats, "unique_ids": pipeline.unique_ids,
-            "micro_batches": pipeline.micro_batches and min(pipeline.micro_batches, B // world),
-            "dense_all_reduce_s": all_reduce, "dense_buckets": len(overlap.buckets) if overlap is not None else 1}
+    if overlap_of_all is not None:
+        overlap_of_all.close()
+    out = {}
+    for half in (False, True):
+        if steps[half]:
+            out[schedule + (OVERLAP if half else "")] = {
+                "step_s": steps[half], "trace": traces.get(half, []), "sparse_stats": stats,
+                "unique_ids": pipeline.unique_ids,
+                "micro_batches": pipeline.micro_batches and min(pipeline.micro_batches, B // world),
+                "dense_all_reduce_s": all_reduce[half], "dense_buckets": len(overlap_of_all.buckets) if half else 1}
+    return out
 
 
 def worker(args) -> None:
@@ -140,7 +165,9 @@ def worker(args) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank,
                             world_size=args.world)
     try:
-        out = {s: _run_schedule(args, s, args.rank, args.world) for s in args.schedules.split(",")}
+        out = {}
+        for s in args.schedules.split(","):
+            out.update(_run_schedule(args, s, args.rank, args.world))
     finally:
         dist.destroy_process_group()
     Path(args.out).write_text(json.dumps(out))
@@ -178,21 +205,29 @@ def summarize(limited: list[dict], unlimited: list[dict]) -> dict[str, Any]:
 
     schedules = list(limited[0])
     out: dict[str, Any] = {}
-    comm = step_ms(limited, "sync") - step_ms(unlimited, "sync")
+    # the communication time is sync's (serial) — a run without it reports no ratios
+    comm = step_ms(limited, "sync") - step_ms(unlimited, "sync") if "sync" in schedules else None
     for s in schedules:
         lim, unl = step_ms(limited, s), step_ms(unlimited, s)
         out[s] = {"step_ms_limited_link": round(lim, 1), "step_ms_unlimited_link": round(unl, 1),
                   "exposed_comm_ms": round(lim - unl, 1),
-                  "exposed_comm_ratio": round((lim - unl) / comm, 3) if comm > 0 else None,
+                  "exposed_comm_ratio": round((lim - unl) / comm, 3) if comm is not None and comm > 0 else None,
                   "embedding_bytes_per_rank": limited[0][s]["sparse_stats"]["embedding_bytes"],
-                  "dense_all_reduce_ms_limited_link": round(1e3 * statistics.median(
-                      max(r[s]["dense_all_reduce_s"][i] for r in limited)
-                      for i in range(len(limited[0][s]["dense_all_reduce_s"]))), 1),
-                  "dense_buckets": limited[0][s]["dense_buckets"],
+                  "dense_all_reduce_ms_limited_link": _dense_all_reduce_ms(limited, s),
+                  "dense_buckets": limited[0][s].get("dense_buckets", 1),
                   "micro_batches": limited[0][s]["micro_batches"] if "fwp" in s else 1,
                   "unique_ids": limited[0][s]["unique_ids"] if "fwp" in s else None}
-    out["communication_ms"] = round(comm, 1)
+    out["communication_ms"] = round(comm, 1) if comm is not None else None
     return out
+
+
+def _dense_all_reduce_ms(results: list[dict], schedule: str):
+    """Median over steps (slowest rank per step) of the dense all-reduce's exposed time: the whole
+    serial all-reduce, or the overlapped one's ``finish()`` (None where a result has no record)."""
+    per_rank = [r[schedule].get("dense_all_reduce_s") for r in results]
+    if not per_rank[0] or any(t is None for t in per_rank):
+        return None
+    return round(1e3 * statistics.median(max(t[i] for t in per_rank) for i in range(len(per_rank[0]))), 1)
 
 
 def chrome_trace(results: list[dict], path: Path) -> None:

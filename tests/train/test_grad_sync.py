@@ -140,7 +140,7 @@ def test_trainer_overlap_allreduce_is_bit_equal_for_sync_and_dbp_fwp():
 @pytest.mark.slow
 def test_four_ranks_sum_in_another_grouping_only():
     """On 4 ranks gloo's ring groups an element's sum by where it lies in the buffer, so buckets
-    change the rounding (measured: 4e-16 on the dense weights, float64): equal within rounding, which
+    change the rounding (measured: up to 7e-16 on the dense weights, float64): equal within rounding, which
     is why ``--overlap-allreduce`` is opt-in."""
     for r in run_on_ranks(_runs, 4).values():
         for schedule in ("sync", "fwp"):
