@@ -34,7 +34,6 @@ Runs after ``fuse_norm_gate`` (it reads the fused norms).
 """
 from __future__ import annotations
 
-import inspect
 import operator
 from typing import Callable
 
@@ -42,6 +41,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .effects import writes
 from .pass_manager import GraphPass, PassContext, copy_graph, substitute
 from ..lowering.fp8 import FP8_LINEAR
 from ..lowering.norm import GATED_NORM
@@ -51,33 +51,13 @@ from .symbolic import known_eq
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ALIGN = 16
-_IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                       operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
-                       operator.ilshift, operator.irshift, operator.setitem)
-
-
 def _has_effect(node: fx.Node) -> bool:
-    """Whether an op moved past ``node`` could notice it: an in-place write (Dynamo's graph keeps
-    the user's ``a.add_(1)``, ``a[i] = v``, ``relu(a, inplace=True)``, ``out=``) or a mode switch
-    (a ``torch.no_grad()`` / autocast block is ``_set_grad_enabled`` / ``_enter_autocast`` nodes
-    that nothing reads: a node without users is in the graph for its effect)."""
+    """Whether an op moved past ``node`` could notice it: a write (``effects.writes``) or a mode
+    switch (a ``torch.no_grad()`` / autocast block is ``_set_grad_enabled`` / ``_enter_autocast``
+    nodes that nothing reads: a node without users is in the graph for its effect)."""
     if node.op not in ("call_function", "call_method", "call_module"):
         return False
-    if node.op == "call_module" or not node.users:
-        return True  # unknown code, or a node kept for its effect: assume the worst
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.endswith("__") or node.target == "__setitem__"
-    if any(node.target is op for op in _IN_PLACE_OPERATORS) or node.kwargs.get("out") is not None:
-        return True
-    name = getattr(node.target, "__name__", "")
-    if name.endswith("_") and not name.endswith("__") or getattr(getattr(node.target, "_schema", None),
-                                                                  "is_mutable", False):
-        return True
-    try:
-        params = list(inspect.signature(node.target).parameters)
-    except (TypeError, ValueError):  # builtins without a signature
-        return node.kwargs.get("inplace") is True
-    return "inplace" in params and arg(node, params.index("inplace"), "inplace") is True
+    return not node.users or writes(node)
 
 
 def _nothing_happens_between(first: fx.Node, last: fx.Node) -> bool:

@@ -27,6 +27,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from .effects import WriteOrder, remove_dead_code
 from .pass_manager import GraphPass, PassContext, node_site
 from ..lowering.constant_check import CHECK_UNCHANGED, digest
 from ..lowering.score_mod import register_score_mod
@@ -35,7 +36,7 @@ from .attention_capture import TableView, Unsupported, capture, is_size_scalar, 
 from .decompose_attention import expand_library_attention, functionalise_masked_fill, restore, unbind_as_chunks
 from .detect_padding import PADDING, analyse
 from .layout import Pair, Token
-from .op_semantics import canonical, einsum_parts, example, shape_of
+from .op_semantics import canonical, describe_op, einsum_parts, example, shape_of
 from .symbolic import hoist_sizes, is_one
 
 
@@ -141,6 +142,17 @@ def _normalise_einsums(gm: fx.GraphModule, layouts: dict) -> int:
     return count
 
 
+
+def _check_no_write_before(order: WriteOrder, node: fx.Node, cap, validity: set[fx.Node]) -> None:
+    """The fused op runs at ``node`` (the ``weights @ v`` matmul) and reads q, k, v, the side values,
+    tables and the validity mask there: refuse if the user's code writes into one of them between
+    its definition and that point (the unfused ops read it before the write)."""
+    operands = [cap.q, cap.kT, node.args[1], *(s.node for s in cap.sides), *cap.tables, *validity]
+    for value in operands:
+        if isinstance(value, fx.Node) and (write := order.between(value, node)) is not None:
+            raise Unsupported(f"{value.name} is written in place by {describe_op(write)} at {node_site(write)} "
+                              f"inside the attention: the fused op would read it after the write", node)
+
 class FuseAttention(GraphPass):
     name = "fuse_attention"
 
@@ -178,12 +190,13 @@ class FuseAttention(GraphPass):
             if info is None:  # cannot happen (the expansions add no validity source), but stay safe
                 for e in expansions:
                     restore(gm, e)
-                gm.graph.eliminate_dead_code()
+                remove_dead_code(gm.graph)
                 return
             gm.meta[PADDING] = info
         by_contraction = {e.contraction: e for e in expansions}
         fused: set[fx.Node] = set()
         layouts, validity, N, B = info.layouts, set(info.validity), info.seq_len, info.batch
+        write_order = WriteOrder(gm.graph)  # the fused op reads its operands where the last matmul was
         for node in list(gm.graph.nodes):
             if canonical(node) != "matmul" or not isinstance(layouts.get(node), Token) or \
                     not isinstance(layouts.get(node.args[0]), Pair):
@@ -193,6 +206,7 @@ class FuseAttention(GraphPass):
                 cap = capture(node, layouts, validity, N)
                 cap.empty_rows_zero |= expansion is not None and expansion.empty_rows_zero
                 causal = prove(cap, validity, N, set(info.padding))
+                _check_no_write_before(write_order, node, cap, validity)
                 key = self._emit(gm, node, cap, causal, info)
             except Unsupported as e:
                 if expansion is not None:
@@ -211,7 +225,7 @@ class FuseAttention(GraphPass):
             else:  # never leave the slower spelled-out form behind
                 restore(gm, e)
                 ctx.fallback(e.original, f"{e.label} kept as written: {e.reason}")
-        gm.graph.eliminate_dead_code()
+        remove_dead_code(gm.graph)
 
     @staticmethod
     def _emit(gm: fx.GraphModule, node: fx.Node, cap, causal: bool, info) -> str:

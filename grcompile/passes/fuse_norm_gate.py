@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .effects import WriteOrder
 from .pass_manager import GraphPass, PassContext, substitute
 from ..lowering.norm import GATED_NORM
 from .op_semantics import arg, canonical, example, example_tensor, refresh_example_values
@@ -78,6 +79,7 @@ class FuseNormGate(GraphPass):
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         refresh_example_values(gm, strict=False)  # nodes an earlier pass inserted (the jagged block)
         g = gm.graph
+        write_order = WriteOrder(g)  # the fused op reads the norm's input where the gate was
         for node in list(g.nodes):
             if node.op != "call_function" or canonical(node) not in _KINDS:
                 continue
@@ -87,6 +89,10 @@ class FuseNormGate(GraphPass):
                 continue
             kind, eps = match
             gate = _gate_of(node)
+            if gate is not None and (write_order.between(node.args[0], gate[0]) is not None
+                                     or write_order.between(node, gate[0]) is not None):
+                ctx.count("skipped_gate_written_in_place")  # a write between the norm and its gate
+                gate = None
             replaced, u = gate if gate is not None else (node, None)
             with g.inserting_before(replaced):
                 fused = g.call_function(GATED_NORM, (node.args[0], u),

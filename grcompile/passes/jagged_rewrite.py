@@ -20,6 +20,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from .effects import WriteOrder, remove_dead_code
 from .pass_manager import GraphPass, PassContext, copy_graph, node_site
 from ..lowering.attention import JAGGED_ATTENTION
 from ..lowering.jagged import jagged_to_dense, segment_softmax, valid_to_offsets
@@ -147,6 +148,7 @@ class _Rewriter:
         self.packed: dict[fx.Node, fx.Node] = {}
         self.notes: list[tuple[fx.Node, str]] = []
         self.counts: dict[str, int] = {}
+        self.write_order = WriteOrder(self.g)  # before any conversion: the user's program order
         # softmax over the positions of masked logits (attention pooling): a segment softmax
         self.seq_softmax = sequence_softmaxes(self.g, self.layouts, set(info.validity), set(info.padding))
         self.region = self._select()
@@ -282,7 +284,7 @@ class _Rewriter:
                     self.jagged[n].meta[key] = n.meta[key]
             done.append((canonical(n) if canonical(n) != "fused_attention" else "jagged_attention", n))
         self._exits()
-        g.eliminate_dead_code()
+        remove_dead_code(g)
         return [d for d in done if d[0] in ("embedding", "linear", "jagged_attention", "layer_norm", "rms_norm")]
 
     def _exits(self) -> None:
@@ -298,6 +300,7 @@ class _Rewriter:
             layout = self.layouts[n]
             dense = None
             for u in outside:
+                self._check_no_write_between(n, u)  # the exits read the jagged values, taken at n
                 # jagged exits first: a segment sum or a row selection reads the values directly
                 kind = segment_kind(u, n, layout) if zero(n) else None
                 if kind is not None:
@@ -442,7 +445,17 @@ class _Rewriter:
         return 1 + feats.index(d)
 
     # ---------------------------------------------------------------- ops
+    def _check_no_write_between(self, value: fx.Node, reader: fx.Node) -> None:
+        """``reader``'s jagged form reads ``value`` as it was where it was defined (its jagged copy
+        or its pack): refuse if the user's code writes into it in between."""
+        write = self.write_order.between(value, reader)
+        if write is not None:
+            raise Unsupported(f"{value.name} is written in place by {describe_op(write)} at {node_site(write)} "
+                              f"before {reader.name} reads it: a packed copy would miss the write", reader)
+
     def _convert(self, n: fx.Node) -> fx.Node:
+        for a in n.all_input_nodes:
+            self._check_no_write_between(a, n)
         g, op = self.g, canonical(n)
         x = n.args[0] if n.args else None
         J = lambda a: self.jagged[a] if a in self.members else (self._pack(a) if isinstance(self.layouts.get(a), Token) else a)  # noqa: E731
@@ -480,7 +493,16 @@ class _Rewriter:
             out_layout = self.layouts[n]
             shape = shape_of(n)
             sizes = [self._size(shape[a]) for a in _features(out_layout)]
-            return g.call_method("reshape" if op == "reshape" else "expand", (J(x), -1, *sizes))
+            value = J(x)
+            if op == "expand" and isinstance(self.layouts.get(x), Token):
+                # a size-1 feature axis of the input that the expand makes a token axis
+                # (``pe.unsqueeze(0).expand(B, N, D)``) is already the jagged values' row axis
+                in_layout, in_shape = self.layouts[x], shape_of(x)
+                offset = out_layout.ndim - in_layout.ndim
+                kept = [a for a in _features(in_layout) if a + offset in _features(out_layout)]
+                if len(kept) != len(_features(in_layout)):
+                    value = g.call_method("reshape", (value, -1, *[self._size(in_shape[a]) for a in kept]))
+            return g.call_method("reshape" if op == "reshape" else "expand", (value, -1, *sizes))
         if op == "unsqueeze":
             d = arg(n, 1, "dim")
             out_layout = self.layouts[n]

@@ -27,6 +27,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .effects import remove_dead_code
+
 __all__ = ["Size", "SizeArgs", "Unresolved", "gt_one", "is_one", "is_symbolic", "known_eq", "known_ge", "prod", "static_int"]
 
 Size = "int | torch.SymInt"
@@ -169,5 +171,5 @@ def hoist_sizes(gm: fx.GraphModule) -> int:
         n.replace_all_uses_with(replacement)
         count += 1
     if count:
-        gm.graph.eliminate_dead_code()
+        remove_dead_code(gm.graph)
     return count
