@@ -108,6 +108,16 @@ def unique_ids_sent(ids: torch.Tensor, parts: list[torch.Tensor], pad: int = 0) 
     return sum(int(ids[p][ids[p] != pad].unique().numel()) for p in parts)
 
 
+def moves_only_rows_with_gradient(opt: torch.optim.Optimizer, group: dict) -> bool:
+    """True where ``opt`` leaves a row whose gradient is zero exactly where it is: SGD without
+    momentum or weight decay, Adagrad without weight decay, or an optimizer that declares it."""
+    if getattr(opt, "moves_only_rows_with_gradient", False):
+        return True
+    if isinstance(opt, torch.optim.SGD):
+        return not group.get("momentum") and not group.get("weight_decay")
+    return isinstance(opt, torch.optim.Adagrad) and not group.get("weight_decay")
+
+
 class SparsePipeline:
     """One training step's forward/backward under ``schedule`` (module docstring): ``fwp``,
     ``dbp``, ``dbp+fwp``. ``step`` returns the sum of the micro-batches' weighted losses (this
@@ -156,7 +166,7 @@ class SparsePipeline:
 
     def check_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """DBP refreshes the prefetched rows the last step read: the optimizer must move no other
-        rows (SGD without momentum or weight decay, Adagrad without weight decay)."""
+        rows (SGD without momentum or weight decay, Adagrad without weight decay, row-wise Adagrad)."""
         if not self.dbp:
             return
         shard_params = {id(p) for p in self.runtime.tables.parameters()}
@@ -164,12 +174,11 @@ class SparsePipeline:
             for group in opt.param_groups:
                 if not any(id(p) in shard_params for p in group["params"]):
                     continue
-                plain_sgd = isinstance(opt, torch.optim.SGD) and not group.get("momentum") and not group.get("weight_decay")
-                plain_adagrad = isinstance(opt, torch.optim.Adagrad) and not group.get("weight_decay")
-                if not (plain_sgd or plain_adagrad):
+                if not moves_only_rows_with_gradient(opt, group):
                     raise PipelineUnsupported(
                         f"DBP: {type(opt).__name__} moves table rows that got no gradient (momentum or weight decay), "
-                        f"so rows prefetched before an update could be stale: use --sparse-optimizer sgd or adagrad")
+                        f"so rows prefetched before an update could be stale: use --sparse-optimizer sgd, adagrad "
+                        f"or rowwise_adagrad")
 
     def verify(self, inputs: tuple[torch.Tensor, ...], run_forward_backward: Callable[[], None]) -> Optional[str]:
         """Run one ordinary (sync) step's forward/backward while recording the lookups it makes and
@@ -267,11 +276,7 @@ class SparsePipeline:
                     self.before_backward(i, len(micro))
                 loss.backward()  # with FWP the sparse part of it goes on on the gradient thread
                 total = total + loss.detach()
-            runtime.drain()
-            ahead = sum(len(mb) for mb in self._upcoming[2]) if self._upcoming else 0  # the next step's
-            if runtime.prefetched() != ahead:
-                raise RuntimeError(f"sparse pipeline: {runtime.prefetched() - ahead} prefetched lookups were never "
-                                   f"used (the forward made fewer lookups than were extracted ahead of it)")
+            self._drain(sum(len(mb) for mb in self._upcoming[2]) if self._upcoming else 0)  # the next step's
         finally:
             runtime.defer_sparse_backward(False)
         return total
@@ -326,14 +331,18 @@ class SparsePipeline:
                     self.before_backward(i, len(micro))
                 loss.backward()  # the sparse part of it goes on on the gradient thread
                 total = total + loss.detach()
-            runtime.drain()
-            ahead = self._upcoming[2] if self._upcoming else 0
-            if runtime.prefetched() != ahead:
-                raise RuntimeError(f"sparse pipeline: {runtime.prefetched() - ahead} prefetched lookups were never "
-                                   f"used (the forward made fewer lookups than were extracted ahead of it)")
+            self._drain(self._upcoming[2] if self._upcoming else 0)
         finally:
             runtime.defer_sparse_backward(False)
         return total
+
+    def _drain(self, ahead: int) -> None:
+        """After the last micro-batch: the gradient exchanges finished, and only the next step's
+        ``ahead`` lookups still prefetched (fewer used than extracted is a bug, said so)."""
+        self.runtime.drain()
+        if self.runtime.prefetched() != ahead:
+            raise RuntimeError(f"sparse pipeline: {self.runtime.prefetched() - ahead} prefetched lookups were never "
+                               f"used (the forward made fewer lookups than were extracted ahead of it)")
 
     def discard(self) -> None:
         """Before an evaluation or at the end: nothing of a next step stays prefetched (or routed)."""

@@ -21,6 +21,9 @@ class RowWiseAdagrad(torch.optim.Optimizer):
     """Row-wise Adagrad for 2-D tables (see module docstring); no weight decay, like the other
     sparse optimizers of the trainer."""
 
+    # a row without gradient adds 0 to its accumulator and moves by 0 (what DBP's refresh relies on)
+    moves_only_rows_with_gradient = True
+
     def __init__(self, params: Iterable[torch.Tensor], lr: float, eps: float = ADAGRAD_EPS) -> None:
         if lr <= 0:
             raise ValueError(f"RowWiseAdagrad: lr must be > 0, got {lr}")

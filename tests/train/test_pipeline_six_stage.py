@@ -89,7 +89,7 @@ def _moved_off(run: dict, reference: dict) -> bool:
 
 
 def test_six_stage_trains_exactly_like_semi_async_on_two_ranks():
-    """22 steps, Adagrad (state per row), two-stage dedup, empty / length-1 / full rows: six-stage
+    """20 steps, Adagrad (state per row), two-stage dedup, empty / length-1 / full rows: six-stage
     gives semi-async's losses, final tables and dense weights; neither is the synchronous training
     (one step stale); the control with t+1's rows read after t's update is not semi-async (it is
     the synchronous training: nothing stale is left)."""
@@ -170,14 +170,7 @@ def test_data_stage_yields_in_order_one_item_ahead_and_reraises():
 
 
 # -- through the trainer ----------------------------------------------------------------------------
-def _trainer_worker(rank, world, jobs):
-    from grcompile.train.loop import train
-
-    out = {}
-    for key, config in jobs:
-        result = train(config, progress=False, log=lambda *a: None, return_weights=True)
-        out[key] = {k: result[k] for k in ("losses", "feature_weights", "dense_weights", "pipeline")}
-    return out
+from tests.train.test_pipeline import _trainer_worker  # noqa: E402 - the same worker, one definition
 
 
 def test_trainer_six_stage_is_semi_async_with_a_data_stage():
