@@ -698,9 +698,10 @@ def _table_view(leaf: fx.Node, consumer: fx.Node, consumer_roles: list[str | Non
     if isinstance(ex, torch.Tensor) and not ex.requires_grad:
         try:
             value, inputs = static_value(leaf)
-        except _NotStatic as e:
-            raise Unsupported(f"{spelled(leaf)} ({leaf.name}) enters the attention scores, takes no gradient and "
-                              f"cannot be evaluated at compile time (it depends on {e.args[0]})", leaf) from None
+        except _NotStatic:
+            # computed from what changes between calls (a parameter under no_grad, an input): the op
+            # gets it at run time, unknown to the proof — as a learned bias is in training
+            return view
         except Exception as e:  # noqa: BLE001 - a constant we cannot evaluate: no proof
             raise Unsupported(f"{spelled(leaf)} ({leaf.name}) enters the attention scores and cannot be evaluated "
                               f"at compile time ({type(e).__name__})", leaf) from None

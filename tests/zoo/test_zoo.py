@@ -40,8 +40,6 @@ NOT_YET: dict[str, str] = {
 
 # model -> why its no_grad eval graph (inference) does not fuse what its training graph fuses
 NOT_YET_EVAL: dict[str, str] = {
-    "t5_bucket_bias": "under no_grad the per-head nn.Embedding bias 'takes no gradient and cannot be evaluated at "
-                      "compile time': the eval graph keeps the attention dense",
     "fbgemm_user_jagged": "the training graph does not fuse either (NOT_YET)",
     "sdpa_causal_last": "the training graph does not fuse either (NOT_YET)",
 }
