@@ -24,6 +24,7 @@ import torch.fx as fx
 from .dump import describe_inputs, emit_artifact, write_dump, write_score_mods
 from ..lowering.checks import pin_checks
 from .failures import describe_error
+from .guarded import GuardedGraph
 from ..passes.pass_manager import GraphPass, PassContext, PassResult, copy_graph, node_site, pass_name, run_pipeline
 from .report import Report
 from .shapes import ShapePolicy
@@ -141,8 +142,16 @@ class GrcompileBackend:
         if state.dump_dir is not None:
             write_score_mods(state.dump_dir, k, gm)
         if state.lowering == "eager":
-            return self._remat_eagerly(k, region, gm, example_inputs) if self._remat_on() else gm.forward
-        return self._lower(k, region, gm, captured, example_inputs)
+            compiled = self._remat_eagerly(k, region, gm, example_inputs) if self._remat_on() else gm.forward
+        else:
+            compiled, transformed = self._lower(k, region, gm, captured, example_inputs)
+            if not transformed:  # the graph as captured runs: no pass's check applies
+                return compiled
+        if ctx.preconditions:
+            # exact only where the passes' run-time checks hold; elsewhere the captured graph runs
+            return GuardedGraph(compiled, lambda: (captured.forward, "the captured graph, eagerly"),
+                                ctx.preconditions, state, k, region)
+        return compiled
 
     def _remat_on(self) -> bool:
         return self.state.remat_policy or self.state.remat_budget is not None
@@ -175,9 +184,10 @@ class GrcompileBackend:
             return gm.forward
 
     def _lower(self, k: int, region: str, gm: fx.GraphModule, captured: fx.GraphModule,
-               example_inputs: Sequence[Any]) -> Callable[..., Any]:
+               example_inputs: Sequence[Any]) -> tuple[Callable[..., Any], bool]:
         """Inductor on the transformed graph; if that raises (and not ``strict``): inductor on the
-        graph as captured, then the captured graph eagerly. Each step is reported."""
+        graph as captured, then the captured graph eagerly. Each step is reported. Returns the
+        callable and whether it is the transformed graph."""
         from torch._inductor.compile_fx import compile_fx  # heavy import: only when lowering
 
         def lower(gm: fx.GraphModule) -> Callable[..., Any]:
@@ -195,7 +205,7 @@ class GrcompileBackend:
 
         pin_checks(gm)  # index checks run before any kernel reads the index
         try:
-            return lower(gm)
+            return lower(gm), True
         except Exception as exc:  # noqa: BLE001 - the policy: fall back, report, never crash
             if self.state.strict:
                 raise
@@ -211,7 +221,7 @@ class GrcompileBackend:
         self.state.unoptimized.append({"kind": "lowering_error", "graph": k, "frame": region,
                                        "error": f"lowering the transformed graph raised {error}",
                                        "site": region, "ran": ran})
-        return compiled
+        return compiled, False
 
     def _emit(self, k: int, step: int, label: str, gm: fx.GraphModule, lines: list[str]) -> None:
         emit_artifact(k, step, label, gm)

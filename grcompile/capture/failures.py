@@ -216,6 +216,9 @@ class CallScope(logging.Filter):
 def unoptimized_message(entry: dict[str, Any]) -> str:
     """The warning / report line for one ``unoptimized`` entry."""
     where = f"graph {entry['graph']}" if entry.get("graph") is not None else f"frame {entry.get('frame', '?')}"
+    if entry.get("kind") == "runtime_check":
+        return (f"grcompile: {entry['calls']} call(s) of graph {entry['graph']} ran unoptimized because their "
+                f"inputs fail a run-time check: {entry['error']} at {entry['site']}; ran: {entry['ran']}")
     if entry.get("kind") == "recompile_limit":
         return (f"grcompile: {entry['calls']} call(s) with {entry['shapes']} new input shape(s) of {where} ran "
                 f"unoptimized because {entry['error']}; ran: {entry['ran']}")

@@ -27,6 +27,7 @@ from ..lowering.jagged import jagged_to_dense, segment_softmax, valid_to_offsets
 from ..lowering.pack import PACK_INDEX
 from .attention_capture import Unsupported, side_value, _Any
 from .detect_padding import analyse
+from .exit_checks import build_read_check
 from .jagged_exits import ExitEmitter, prove_reads_valid, segment_kind, selection_kind
 from .jagged_region import ZeroAtPadding, feature_index, hoist_validity, sequence_softmaxes, shrink, tiled_along
 from . import row_spellings
@@ -105,6 +106,8 @@ class JaggedRewrite(GraphPass):
             ctx.rewrite(op, node)
         for node, reason in rewriter.notes:  # parts kept dense (exact), with why
             ctx.fallback(node, reason)
+        for node, check, reason in rewriter.preconditions:
+            ctx.precondition(check, node, reason)
         for key, n in rewriter.counts.items():
             ctx.count(key, n)
 
@@ -153,6 +156,9 @@ class _Rewriter:
         self.seq_softmax = sequence_softmaxes(self.g, self.layouts, set(info.validity), set(info.padding))
         self.region = self._select()
         self._proofs: dict[tuple[fx.Node, fx.Node], str | None] = {}
+        # selections whose reads are checked on each call instead of proved (exit_checks.py)
+        self._read_checks: dict[tuple[fx.Node, fx.Node], tuple[fx.GraphModule, str]] = {}
+        self.preconditions: list[tuple[fx.Node, fx.GraphModule, str]] = []
         by_name = {n.name: n for n in self.g.nodes}
         for name, reason in self.dense.items():
             self.notes.append((by_name.get(name), f"{name} stays dense: {reason}"))
@@ -201,8 +207,15 @@ class _Rewriter:
         does not, for non-empty rows)."""
         if (n, u) not in self._proofs:
             if self.info.validity:
-                self._proofs[(n, u)] = prove_reads_valid(u, n, self.layouts[n], self.info.validity[0],
-                                                         self.layouts, self.B, self.N)
+                why = prove_reads_valid(u, n, self.layouts[n], self.info.validity[0], self.layouts, self.B, self.N)
+                if why is not None:
+                    check = build_read_check(self.gm, u, n, self.layouts[n], self.info.validity[0])
+                    if isinstance(check, fx.GraphModule):
+                        self._read_checks[(n, u)] = (check, why)
+                        why = None  # proved on each call instead
+                    else:
+                        why = f"{why}; nor can it be checked on each call: {check}"
+                self._proofs[(n, u)] = why
             else:
                 self._proofs[(n, u)] = "the validity is only given as a padding mask"
         return self._proofs[(n, u)]
@@ -312,6 +325,11 @@ class _Rewriter:
                     with g.inserting_before(u):
                         new = self.exits.select(u, n, self.jagged[n], layout)
                     self._count("exit_row_select")
+                    if not zero(n) and (n, u) in self._read_checks:
+                        check, why = self._read_checks[(n, u)]
+                        self.preconditions.append((u, check, (
+                            f"{describe_op(u)} ({node_site(u)}) may read a padded position of {n.name} ({why}): "
+                            f"each call checks that it reads only valid positions (or an empty row's own)")))
                 else:
                     new = None
                 if new is not None:

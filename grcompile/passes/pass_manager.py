@@ -105,6 +105,9 @@ class PassContext:
     counters: Counter[str] = field(default_factory=Counter)
     rewrites: list[dict[str, Any]] = field(default_factory=list)
     fallbacks: list[dict[str, Any]] = field(default_factory=list)
+    # checks over the graph's inputs that must hold for the transformed graph to be exact on a
+    # call; where one does not, the backend runs the graph as captured (exit_checks.py)
+    preconditions: list[dict[str, Any]] = field(default_factory=list)
 
     def rewrite(self, op: str, node: fx.Node | None, **extra: Any) -> None:
         """Record that this pass rewrote ``node`` into ``op`` (also counted as ``<pass>.<op>``)."""
@@ -117,6 +120,13 @@ class PassContext:
         site = node_site(node) if node is not None else f"<graph {self.graph_index}>"
         self.fallbacks.append({"pass": self.pass_name, "site": site, "reason": reason,
                                "graph": self.graph_index})
+
+    def precondition(self, check: Callable[..., bool], node: fx.Node | None, reason: str) -> None:
+        """The transformed graph is exact on a call only where ``check(*inputs)`` is True;
+        ``reason`` says what it checks (a sentence naming the user's op)."""
+        self.preconditions.append({"pass": self.pass_name, "site": node_site(node), "check": check,
+                                   "reason": reason, "graph": self.graph_index})
+        self.counters[f"{self.pass_name}.checked_at_run_time"] += 1
 
     def count(self, key: str, n: int = 1) -> None:
         """Bump the pass-scoped counter ``<pass>.<key>``."""

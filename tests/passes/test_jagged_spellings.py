@@ -259,20 +259,54 @@ def test_empty_row_reads_padding_and_gives_zero():
     torch.testing.assert_close(out[1:], model(ids, lengths)[1:])
 
 
+def _hole_at_the_read(exit: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch whose row 1 is non-empty but has padding exactly where the exit reads it (the
+    last position under left padding; position lengths - 1 for the gather)."""
+    ids, lengths = _lengths_batch([0, 3, N, 5], left=exit == "last", seed=4)
+    read = N - 1 if exit == "last" else int(lengths[1]) - 1
+    ids[1, read] = 0
+    return ids, lengths
+
+
 @pytest.mark.parametrize("exit", ["gather", "last"])
-def test_exit_that_may_read_padding_keeps_the_tail_dense(exit):
+def test_exit_that_may_read_padding_is_checked_on_each_call(exit, monkeypatch):
     """``ids != 0`` says nothing about where a row's last real item is (holes, left or right
-    padding): the read may land on padding for a non-empty row, so the value read stays dense
-    (only what follows the last masked value), with a reason naming the exit."""
+    padding), so the proof cannot bound the read: the exit goes jagged under a check run before
+    each call (every read on a valid position, or in an empty row's own output). A call that
+    fails it runs the graph as captured — exact — and the report counts it; without the check
+    that call would be wrong (the negative control)."""
     torch.manual_seed(3)
     model = Exits(exit, "ids").double()
-    ids, lengths = _lengths_batch([0, 1, N, 5], left=exit == "last")
-    _, report = check(model, (ids, lengths), rows(lambda ids, lengths: lengths > 0))
-    reasons = jagged_fallbacks(report)
-    assert len(reasons) == 1 and "not provably zero at padding" in reasons[0], reasons
-    assert "does not bound" in reasons[0], reasons  # the proof's own reason: ids are data
-    # only the masked embedding stays jagged; what follows it up to the exit is dense
-    assert jagged_ops(report) == ["embedding"] and counter(report, "dense_tail_ops") >= 5
+    counts = rows(lambda ids, lengths: (ids != 0).any(1))
+    optimized, report = check(model, _lengths_batch([0, 1, N, 5], left=exit == "last"), counts)
+    assert jagged_fallbacks(report) == [] and counter(report, "exit_dense") == 0, jagged_fallbacks(report)
+    assert counter(report, "checked_at_run_time") == 1 and counter(report, "exit_row_select") == 1
+    assert {"embedding", "linear", "layer_norm"} <= set(jagged_ops(report))
+    assert report.unoptimized == []
+
+    bad = _hole_at_the_read(exit)
+    with pytest.warns(grcompile.UnoptimizedWarning, match="fail a run-time check"):
+        _, report = check(model, bad, counts, optimized=optimized)  # exact: the captured graph ran
+    entry, = report.unoptimized
+    assert entry["kind"] == "runtime_check" and entry["calls"] == 1 and "each call checks" in entry["error"]
+    check(model, _lengths_batch([2, N, 0, 1], left=exit == "last", seed=5), counts, optimized=optimized)
+    assert grcompile.report(optimized[0]).unoptimized[0]["calls"] == 1  # a good batch runs optimized again
+
+    from grcompile.capture.guarded import GuardedGraph
+    monkeypatch.setattr(GuardedGraph, "_failed_check", lambda self, args: None)
+    torch._dynamo.reset()
+    unchecked = grcompile.optimize(copy.deepcopy(model), passes=jagged_pipeline(), lowering="eager")
+    with torch.no_grad():
+        assert not torch.allclose(unchecked(*bad)[1], model(*bad)[1])  # the jagged exit reads a zero row
+
+
+def test_strict_raises_where_a_run_time_check_fails():
+    torch.manual_seed(3)
+    model = Exits("gather", "ids").double()
+    fast = grcompile.optimize(copy.deepcopy(model), passes=jagged_pipeline(), lowering="eager", strict=True)
+    fast(*_lengths_batch([0, 1, N, 5]))
+    with pytest.raises(RuntimeError, match="cannot run optimized on this call"):
+        fast(*_hole_at_the_read("gather"))
 
 
 def test_unmasked_mean_stays_dense_with_reason():
@@ -501,10 +535,11 @@ def test_zoo_models_exit_jagged(name):
         assert counter(report, key) >= 1, (key, report.counters)
 
 
-def test_zoo_recbole_gather_stays_dense_with_the_reason():
+def test_zoo_recbole_gather_is_jagged_under_a_run_time_check():
     """RecBole reads ``hidden`` at ``item_seq_len - 1`` (an input) under ``item_seq != 0``: nothing
-    in the graph ties the two, so the read may land on padding; the tail before it stays dense."""
-    from tests.zoo.harness import first_report
+    in the graph ties the two, so each call checks that the read lands on a valid position."""
+    from tests.zoo.harness import first_report, jagged_status
 
-    reasons = jagged_fallbacks(first_report("recbole_sasrec"))
-    assert len(reasons) == 1 and "gather" in reasons[0] and "does not bound" in reasons[0], reasons
+    report = first_report("recbole_sasrec")
+    assert jagged_fallbacks(report) == [] and jagged_status(report) == "y", jagged_fallbacks(report)
+    assert counter(report, "checked_at_run_time") == 1 and report.unoptimized == []

@@ -30,10 +30,6 @@ NOT_YET: dict[str, str] = {
                           "the break has no ids to find the padding in: the SDPA there is not fused",
     "negatives_rn": "jagged exit: the per-position cross-entropy over logits.flatten(0, 1), masked after the "
                     "loss, stays dense (partial)",
-    "recbole_sasrec": "jagged exit: gather at item_seq_len - 1 (a [B] input the graph does not tie to the ids) "
-                      "and the erf GELU stay dense (partial)",
-    "sasrec_left_last": "jagged exit: h[:, -1] under left padding is not bounded by the graph: the final "
-                        "LayerNorm before it stays dense (partial)",
     "sdpa_causal_last": "SDPA(is_causal=True) with no mask in the graph: detect_padding finds no padding mask, so "
                         "nothing is fused (a dense causal fusion is legal)",
 }

@@ -1,0 +1,148 @@
+"""Run-time checks for jagged row-selection exits that the compile-time proof cannot decide.
+
+Matches a row selection ``u`` of a region value ``x`` (``h.gather(1, (lengths - 1)...)``,
+``h[:, -1]``, ``h[arange(B), idx]``, see ``jagged_exits``) whose reads ``prove_reads_valid`` cannot
+bound: validity from a ``[B, N]`` ids input (left padding, holes), an index from a second input
+(RecBole's ``item_seq_len``), or any selection in a graph compiled for symbolic B and N.
+
+Emits a small graph over the captured graph's inputs that computes, before the optimized graph
+runs, whether this call's reads satisfy the exit's contract: every element ``u`` reads lies at a
+valid position, or in an empty row whose own output it is (the empty-row rule of
+``jagged_exits``). It holds only the validity, the index and the selection on a ``[B, N]`` map
+— O(B·N) integer work, no activation. The backend runs the optimized graph where the check holds
+and the graph as captured where it does not, and reports that call (``capture/backend.py``).
+
+Invariant: the jagged exit reads exactly the (row, position) elements the user's op reads, so
+where every read is valid its values are the dense values; where one is not, nothing of the
+optimized graph runs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .effects import writes
+from .layout import Token
+from .op_semantics import canonical, shape_of
+from .symbolic import static_int
+
+__all__ = ["build_read_check", "reads_satisfy_exit", "spread_over"]
+
+_MAX_NODES = 256
+# ops the check may recompute: cheap, deterministic, row-local or size arithmetic
+_ALLOWED = {"ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "add", "sub", "mul", "div", "neg", "unary",
+            "where", "masked_fill", "unsqueeze", "squeeze", "reshape", "expand", "transpose", "permute", "arange",
+            "factory", "reduce", "getitem", "repeat", "tril", "triu", "cat"}
+
+
+def spread_over(t: torch.Tensor, ndim: int, batch: int, seq: int, features: dict[int, int]) -> torch.Tensor:
+    """A ``[B, N]`` map laid out on the axes of a ``[.., B, .., N, ..]`` value (features expanded)."""
+    B, N = t.shape
+    sizes = [1] * ndim
+    sizes[batch], sizes[seq] = B, N
+    t = t.transpose(0, 1) if batch > seq else t
+    full = list(sizes)
+    for axis, size in features.items():
+        full[axis] = size
+    return t.reshape(sizes).expand(full)
+
+
+def row_map(valid: torch.Tensor) -> torch.Tensor:
+    """``[B, N]``: the row of each (row, position)."""
+    B, N = valid.shape
+    return torch.arange(B, device=valid.device).reshape(B, 1).expand(B, N)
+
+
+def reads_satisfy_exit(valid: torch.Tensor, read_valid: torch.Tensor, read_rows: torch.Tensor) -> bool:
+    """Every read lands on a valid position, or in an empty row that is the output's own row (the
+    read row equals the output coordinate along one of its axes of size B)."""
+    if read_valid.numel() == 0:
+        return True
+    nonempty = valid.bool().any(dim=1)
+    if not bool((read_valid.bool() | ~nonempty[read_rows]).all()):
+        return False
+    if bool(nonempty[read_rows].all()):
+        return True  # every read is valid: which row it came from is the user's own choice
+    B = valid.shape[0]
+    for axis in range(read_rows.dim()):
+        if read_rows.shape[axis] != B:
+            continue
+        coord = torch.arange(B, device=read_rows.device).reshape([B if a == axis else 1 for a in range(read_rows.dim())])
+        if torch.equal(read_rows, coord.expand_as(read_rows)):
+            return True
+    return False
+
+
+def build_read_check(gm: fx.GraphModule, u: fx.Node, x: fx.Node, layout: Token,
+                     valid: fx.Node) -> fx.GraphModule | str:
+    """A graph over ``gm``'s inputs returning True when this call's reads of ``u`` satisfy the
+    jagged exit (module docstring), or why no such check can be built (a sentence)."""
+    shape = shape_of(x)
+    if shape is None:
+        return f"the shape of {x.name} is unknown"
+    features: dict[int, int] = {}
+    for axis, size in enumerate(shape):
+        if axis in (layout.batch, layout.seq):
+            continue
+        s = static_int(size)
+        if s is None:
+            return f"{x.name} has a feature axis of symbolic size {size}"
+        features[axis] = s
+    needed = _ancestors([valid, *[a for a in u.all_input_nodes if a is not x]], x)
+    if isinstance(needed, str):
+        return needed
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = g.placeholder(n.name, type_expr=n.type)
+            env[n].meta.update(n.meta)
+        elif n in needed:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    nd = len(shape)
+    spread = (nd, layout.batch, layout.seq, features)
+    valid_x = g.call_function(spread_over, (g.call_function(torch.Tensor.bool, (env[valid],)), *spread))
+    rows_x = g.call_function(spread_over, (g.call_function(row_map, (env[valid],)), *spread))
+    read_valid = g.node_copy(u, lambda a: valid_x if a is x else env[a])
+    read_rows = g.node_copy(u, lambda a: rows_x if a is x else env[a])
+    g.output(g.call_function(reads_satisfy_exit, (env[valid], read_valid, read_rows)))
+    return fx.GraphModule(gm, g, class_name="ExitReadCheck")
+
+
+def _ancestors(starts: list[fx.Node], x: fx.Node) -> set[fx.Node] | str:
+    """The nodes computing ``starts`` from the graph's inputs with cheap, deterministic ops (no
+    embedding, linear, matmul or softmax: so none of them is an activation); else why not."""
+    seen: set[fx.Node] = set()
+    stack = list(starts)
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op == "placeholder":
+            continue
+        if n is x:
+            return f"the index is computed from the selected value {x.name} itself"
+        seen.add(n)
+        if len(seen) > _MAX_NODES:
+            return "the index and the validity take too many operations to recompute"
+        if n.op == "get_attr":
+            continue
+        if n.op not in ("call_function", "call_method") or writes(n) or _random(n):
+            return f"{n.name} cannot be recomputed before the graph runs (random, in place or not a plain op)"
+        op = canonical(n)
+        if op not in _ALLOWED and not _size_arithmetic(n):
+            return f"the index or the validity is computed with {n.name}, which a run-time check does not recompute"
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _random(n: fx.Node) -> bool:
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    return name.startswith(("rand", "bernoulli", "multinomial", "normal", "poisson", "dropout", "uniform")) or \
+        torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+
+
+def _size_arithmetic(n: fx.Node) -> bool:
+    """``x.size(1)``, ``sym_size``, int arithmetic on sizes: no tensor comes out."""
+    if n.op == "call_method" and n.target in ("size", "dim"):
+        return True
+    value = n.meta.get("example_value")
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
