@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .effects import writes
+from .effects import writes, written_aliases
 from .layout import Token
 from .op_semantics import canonical, shape_of
 from .symbolic import static_int
@@ -91,6 +91,10 @@ def build_read_check(gm: fx.GraphModule, u: fx.Node, x: fx.Node, layout: Token,
     needed = _ancestors([valid, *[a for a in u.all_input_nodes if a is not x]], x)
     if isinstance(needed, str):
         return needed
+    written = written_aliases(gm.graph)
+    if (hit := next((n for n in needed if n in written), None)) is not None:
+        # the check runs before the graph: it would see the value before the write
+        return f"{hit.name} is written in place ({written[hit][0].name}), so it cannot be checked before the graph runs"
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in gm.graph.nodes:
@@ -116,7 +120,10 @@ def _ancestors(starts: list[fx.Node], x: fx.Node) -> set[fx.Node] | str:
     stack = list(starts)
     while stack:
         n = stack.pop()
-        if n in seen or n.op == "placeholder":
+        if n in seen:
+            continue
+        if n.op == "placeholder":
+            seen.add(n)  # copied as a placeholder; kept here for the in-place-write test
             continue
         if n is x:
             return f"the index is computed from the selected value {x.name} itself"

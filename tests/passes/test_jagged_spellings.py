@@ -300,6 +300,29 @@ def test_exit_that_may_read_padding_is_checked_on_each_call(exit, monkeypatch):
         assert not torch.allclose(unchecked(*bad)[1], model(*bad)[1])  # the jagged exit reads a zero row
 
 
+class GatherIndexWrittenInPlace(Exits):
+    """The index is moved in place after it is computed (to the first padded position here): a
+    check run before the graph would see it unmoved — valid — so the exit must not be checked
+    that way."""
+
+    def forward(self, ids, lengths):
+        valid = ids != 0
+        x = self.item(ids) * valid.unsqueeze(-1)
+        h = self.norm(x + self.back(F.relu(self.ff(x))))
+        index = lengths - 1
+        index.add_(1)
+        return h.gather(1, index[:, None, None].expand(-1, 1, h.shape[-1])).squeeze(1)
+
+
+def test_an_index_written_in_place_is_not_checked_before_the_graph():
+    torch.manual_seed(3)
+    model = GatherIndexWrittenInPlace("gather", "ids").double()
+    _, report = check(model, _lengths_batch([1, 5, 3, 2]), rows(lambda ids, lengths: (ids != 0).any(1)))
+    assert counter(report, "checked_at_run_time") == 0
+    reasons = jagged_fallbacks(report)
+    assert len(reasons) == 1 and "written in place" in reasons[0], reasons
+
+
 def test_strict_raises_where_a_run_time_check_fails():
     torch.manual_seed(3)
     model = Exits("gather", "ids").double()
