@@ -149,7 +149,7 @@ class GrcompileBackend:
                 return compiled
         if ctx.preconditions:
             # exact only where the passes' run-time checks hold; elsewhere the captured graph runs
-            return GuardedGraph(compiled, lambda: (captured.forward, "the captured graph, eagerly"),
+            return GuardedGraph(compiled, captured.forward, "the captured graph, eagerly",
                                 ctx.preconditions, state, k, region)
         return compiled
 

@@ -20,14 +20,14 @@ log = logging.getLogger("grcompile")
 
 
 class GuardedGraph:
-    """``optimized(*args)`` where every check holds, else ``fallback()(*args)`` (built once)."""
+    """``optimized(*args)`` where every check holds, else ``fallback(*args)`` (``ran`` says what
+    that is, for the report)."""
 
-    def __init__(self, optimized: Callable[..., Any], fallback: Callable[[], tuple[Callable[..., Any], str]],
+    def __init__(self, optimized: Callable[..., Any], fallback: Callable[..., Any], ran: str,
                  checks: list[dict[str, Any]], state: Any, graph: int, frame: str) -> None:
-        self.optimized, self._make_fallback, self.checks = optimized, fallback, checks
+        self.optimized, self.fallback, self.ran, self.checks = optimized, fallback, ran, checks
         self.state, self.graph, self.frame = state, graph, frame
-        self._fallback: Callable[..., Any] | None = None
-        self._entry: dict[str, Any] | None = None
+        self._entry: dict[str, Any] | None = None  # the report entry, from the first failed call
 
     def __call__(self, *args: Any) -> Any:
         failed = self._failed_check(args)
@@ -36,14 +36,13 @@ class GuardedGraph:
         if self.state.strict:
             raise RuntimeError(f"grcompile (strict): graph {self.graph} cannot run optimized on this call: "
                                f"{failed['reason']} — and the check failed at {failed['site']}")
-        if self._fallback is None:
-            self._fallback, ran = self._make_fallback()
+        if self._entry is None:
             self._entry = {"kind": "runtime_check", "graph": self.graph, "frame": self.frame, "calls": 0,
                            "error": failed["reason"], "site": failed["site"],
-                           "ran": f"{ran}, for the calls whose inputs fail the check"}
+                           "ran": f"{self.ran}, for the calls whose inputs fail the check"}
             self.state.unoptimized.append(self._entry)
         self._entry["calls"] += 1
-        return self._fallback(*args)
+        return self.fallback(*args)
 
     def _failed_check(self, args: tuple) -> dict[str, Any] | None:
         with torch.no_grad():

@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .effects import writes, written_aliases
+from .effects import writes
 from .layout import Token
-from .op_semantics import canonical, shape_of
+from .op_semantics import canonical, is_random, shape_of
 from .symbolic import static_int
 
 __all__ = ["build_read_check", "reads_satisfy_exit", "spread_over"]
@@ -73,10 +73,11 @@ def reads_satisfy_exit(valid: torch.Tensor, read_valid: torch.Tensor, read_rows:
     return False
 
 
-def build_read_check(gm: fx.GraphModule, u: fx.Node, x: fx.Node, layout: Token,
-                     valid: fx.Node) -> fx.GraphModule | str:
+def build_read_check(gm: fx.GraphModule, u: fx.Node, x: fx.Node, layout: Token, valid: fx.Node,
+                     written: dict[fx.Node, list[fx.Node]]) -> fx.GraphModule | str:
     """A graph over ``gm``'s inputs returning True when this call's reads of ``u`` satisfy the
-    jagged exit (module docstring), or why no such check can be built (a sentence)."""
+    jagged exit (module docstring), or why no such check can be built (a sentence). ``written``:
+    ``effects.written_aliases`` of the graph."""
     shape = shape_of(x)
     if shape is None:
         return f"the shape of {x.name} is unknown"
@@ -91,7 +92,6 @@ def build_read_check(gm: fx.GraphModule, u: fx.Node, x: fx.Node, layout: Token,
     needed = _ancestors([valid, *[a for a in u.all_input_nodes if a is not x]], x)
     if isinstance(needed, str):
         return needed
-    written = written_aliases(gm.graph)
     if (hit := next((n for n in needed if n in written), None)) is not None:
         # the check runs before the graph: it would see the value before the write
         return f"{hit.name} is written in place ({written[hit][0].name}), so it cannot be checked before the graph runs"
@@ -132,19 +132,13 @@ def _ancestors(starts: list[fx.Node], x: fx.Node) -> set[fx.Node] | str:
             return "the index and the validity take too many operations to recompute"
         if n.op == "get_attr":
             continue
-        if n.op not in ("call_function", "call_method") or writes(n) or _random(n):
+        if n.op not in ("call_function", "call_method") or writes(n) or is_random(n):
             return f"{n.name} cannot be recomputed before the graph runs (random, in place or not a plain op)"
         op = canonical(n)
         if op not in _ALLOWED and not _size_arithmetic(n):
             return f"the index or the validity is computed with {n.name}, which a run-time check does not recompute"
         stack.extend(n.all_input_nodes)
     return seen
-
-
-def _random(n: fx.Node) -> bool:
-    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-    return name.startswith(("rand", "bernoulli", "multinomial", "normal", "poisson", "dropout", "uniform")) or \
-        torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
 
 
 def _size_arithmetic(n: fx.Node) -> bool:

@@ -33,7 +33,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from .pass_manager import GraphPass, PassContext, node_site
 from ..lowering.checks import CHECK_INDEX
-from .op_semantics import arg, canonical, evaluate, example
+from .op_semantics import RANDOM_OPS, arg, canonical, evaluate, example
 
 Range = tuple[int, int]  # inclusive
 
@@ -219,8 +219,7 @@ def _node_range(node: fx.Node, memo: dict[fx.Node, Range | None]) -> Range | Non
     return None
 
 
-_RANDOM = {"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli",
-           "multinomial", "normal", "poisson", "dropout", "uniform_", "normal_"}
+_RANDOM = RANDOM_OPS
 
 
 def constant_range(gm: fx.GraphModule, index: fx.Node, limit: int = 64) -> Range | None:

@@ -209,7 +209,8 @@ class _Rewriter:
             if self.info.validity:
                 why = prove_reads_valid(u, n, self.layouts[n], self.info.validity[0], self.layouts, self.B, self.N)
                 if why is not None:
-                    check = build_read_check(self.gm, u, n, self.layouts[n], self.info.validity[0])
+                    check = build_read_check(self.gm, u, n, self.layouts[n], self.info.validity[0],
+                                             self.write_order.writes_to)
                     if isinstance(check, fx.GraphModule):
                         self._read_checks[(n, u)] = (check, why)
                         why = None  # proved on each call instead

@@ -97,6 +97,17 @@ _register("factory", torch.ones, torch.zeros, torch.full, torch.empty, torch.one
 _register("arange", torch.arange)
 
 
+# ops that draw random numbers, by name (functions and methods)
+RANDOM_OPS = frozenset({"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli",
+                        "multinomial", "normal", "poisson", "dropout", "uniform_", "normal_"})
+
+
+def is_random(node: fx.Node) -> bool:
+    """``node`` draws random numbers (by name, or an aten op tagged nondeterministic_seeded)."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name in RANDOM_OPS or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
 def canonical(node: fx.Node) -> str | None:
     """Canonical op name of ``node`` or ``None`` (placeholders, outputs, unknown ops)."""
     if node.op == "call_function":
