@@ -51,7 +51,17 @@ from typing import Any
 
 import torch._inductor.config as inductor_settings
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+try:
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
+    _PASS_LISTS = True
+except ImportError:  # torch < 2.12 (GPU images carry older torch): one custom pass, no lists
+    _PASS_LISTS = False
+
+    def get_custom_graph_passes(custom_pass: Any) -> tuple:
+        return () if custom_pass is None else tuple(custom_pass) if isinstance(custom_pass, (list, tuple)) \
+            else (custom_pass,)
 
 __all__ = ["INDUCTOR_CONFIG", "OpsVersion", "inductor_config"]
 
@@ -90,4 +100,6 @@ def inductor_config() -> dict[str, Any]:
     # an OpsVersion already configured is grcompile's own (a compile nested in one of ours): not twice
     users = [p for p in get_custom_graph_passes(inductor_settings.post_grad_custom_post_pass)
              if not isinstance(p, OpsVersion)]
+    if users and not _PASS_LISTS:  # this torch takes one pass: the user's runs, the cache key lacks ours
+        return {**INDUCTOR_CONFIG, "post_grad_custom_post_pass": users[0] if len(users) == 1 else users}
     return {**INDUCTOR_CONFIG, "post_grad_custom_post_pass": [*users, ours] if users else ours}

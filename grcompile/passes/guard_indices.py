@@ -29,7 +29,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+try:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:  # torch < 2.12 (GPU images carry older torch): the same helper under its old name
+    from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint
 
 from .pass_manager import GraphPass, PassContext, node_site
 from ..lowering.checks import CHECK_INDEX

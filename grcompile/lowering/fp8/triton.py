@@ -109,7 +109,13 @@ def norm_quant_fwd(X, U, Q, S, n_rows, inner, D, sx0, sx1, sx2, su0, su1, su2, e
     y = gated_norm_rows(X, U, rows, cols, mask, inner, D, sx0, sx1, sx2, su0, su1, su2, eps,
                         IS_RMS, HAS_U, CDT, NORM_DT)
     y = y.to(NORM_DT).to(tl.float32)
-    # quantize_rowwise
+    _quantize_rows(y, rows, cols, mask, n_rows, D, Q, S, HW_CVT)
+
+
+@triton.jit
+def _quantize_rows(y, rows, cols, mask, n_rows, D, Q, S, HW_CVT: tl.constexpr):
+    """:func:`quantize_rowwise` of the float32 rows ``y`` (same IEEE divisions): codes to ``Q``
+    (contiguous rows of ``D``), scales to ``S``."""
     amax = tl.reduce(tl.where(mask, tl.abs(y), 0.0), 1, _max_nan)
     amax = tl.maximum(amax, _FLOOR, propagate_nan=tl.PropagateNan.ALL)
     fmax = tl.full(amax.shape, 448.0, tl.float32)
@@ -118,6 +124,33 @@ def norm_quant_fwd(X, U, Q, S, n_rows, inner, D, sx0, sx1, sx2, su0, su1, su2, e
                    propagate_nan=tl.PropagateNan.ALL)
     tl.store(Q + rows[:, None] * D + cols[None, :], _e4m3_bits(v, HW_CVT), mask=mask)
     tl.store(S + rows, tl.math.div_rn(amax, fmax), mask=rows < n_rows)
+
+
+@triton.jit
+def quantize_rows_fwd(X, Q, S, n_rows, D, sx0, sx1, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+                      HW_CVT: tl.constexpr):
+    """``quantize_rowwise`` of a 2-D ``X`` (any strides): the GEMM's weight, once per call."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    y = tl.load(X + rows[:, None] * sx0 + cols[None, :] * sx1, mask=mask, other=0.0).to(tl.float32)
+    _quantize_rows(y, rows, cols, mask, n_rows, D, Q, S, HW_CVT)
+
+
+def quantize_rows_triton(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rowwise(w)`` of a 2-D ``w`` by :func:`quantize_rows_fwd`, bit for bit (rows wider than
+    ``MAX_D`` and empty inputs: torch's own)."""
+    n_rows, D = w.shape
+    if D > MAX_D or n_rows == 0 or D == 0:
+        return quantize_rowwise(w)
+    q = torch.empty((n_rows, D), dtype=FP8_DTYPE, device=w.device)
+    scale = torch.empty((n_rows, 1), dtype=torch.float32, device=w.device)
+    block_d = triton.next_power_of_2(D)
+    rows = max(1, min(16, 4096 // block_d))
+    quantize_rows_fwd[(triton.cdiv(n_rows, rows),)](w, q.view(torch.uint8), scale, n_rows, D, w.stride(0), w.stride(1),
+                                                    BLOCK_D=block_d, ROWS=rows, HW_CVT=_hw_e4m3(w.device),
+                                                    num_warps=4 if block_d <= 1024 else 8)
+    return q, scale
 
 
 def _note_fallback(op: str, key: str, why: str) -> None:
@@ -207,7 +240,10 @@ def scaled_fp8_gemm(A, B, SA, SB, BIAS, R, Y, M, N, K, sam, sbn, srm,
         if not FP8_DOT:
             a = _e4m3_to_fp16(a)
             b = _e4m3_to_fp16(b)
-        acc = tl.dot(a, b, acc, out_dtype=tl.float32)
+        if FP8_DOT:  # sm_90's FP8 wgmma accumulates with ~14 bits unless promoted: once per K tile
+            acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(a, b, acc, out_dtype=tl.float32)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     sa = tl.load(SA + rm, mask=in_m, other=0.0)
@@ -250,8 +286,50 @@ def scaled_linear_fp8_triton(q: torch.Tensor, scale: torch.Tensor, weight: torch
         where = f"{q.device.type}" + (f" sm_{cc[0]}{cc[1]}" if cc else "")
         _note_fallback("scaled_linear_fp8", where, f"no kernel for {where} (needs CUDA sm_80+)")
         return _scaled_linear_reference(q, scale, weight, bias, residual, out_dtype=out_dtype, gemm_dtype=gemm_dtype)
+    if not interpreted and _cublas_route(q, weight, bias, residual, out_dtype, gemm_dtype, cc):
+        return scaled_linear_fp8_cublas(q, scale, weight, residual, out_dtype=out_dtype)
     return scaled_linear_fp8_launch(q, scale, weight, bias, residual, out_dtype=out_dtype, gemm_dtype=gemm_dtype,
                                     fp8_dot=interpreted or cc >= (8, 9), interpreted=interpreted)
+
+
+def _cublas_route(q: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  residual: Optional[torch.Tensor], out_dtype: torch.dtype, gemm_dtype: Optional[torch.dtype],
+                  cc: tuple[int, int]) -> bool:
+    """Whether this call goes to cuBLAS's row-wise FP8 GEMM (``torch._scaled_mm``) rather than the
+    Triton kernel. ``GRCOMPILE_FP8_GEMM=triton|cublas|auto`` (default auto: cuBLAS where it computes
+    the same thing). It does where its row-wise path runs (sm_90, widths multiples of 16) and its one
+    rounding — a bf16 output — is the reference's: no bias (its bias would be added before that
+    rounding in its own dtype rules), and either no residual with a bf16 output, or a residual with
+    the linear's result rounded to bf16 first (``gemm_dtype`` bf16: autocast), the residual then
+    added in float32 after the GEMM."""
+    choice = os.environ.get("GRCOMPILE_FP8_GEMM", "auto")
+    if choice == "triton" or cc < (9, 0) or bias is not None or q.dtype != FP8_DTYPE:
+        return False
+    K, N = q.shape[-1], weight.shape[0]
+    if K % 16 or N % 16 or K == 0 or N == 0 or q.numel() == 0 or weight.dim() != 2:
+        return False
+    rounds_like_reference = (out_dtype == torch.bfloat16 and gemm_dtype in (None, torch.bfloat16)) \
+        if residual is None else gemm_dtype == torch.bfloat16
+    return rounds_like_reference and choice in ("auto", "cublas")
+
+
+def scaled_linear_fp8_cublas(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
+                             residual: Optional[torch.Tensor], *, out_dtype: torch.dtype) -> torch.Tensor:
+    """``round(acc · (scale ⊗ wscale), bf16) (+ residual in float32)`` with ``torch._scaled_mm``
+    (cuBLAS / CUTLASS row-wise FP8 GEMM, float32 accumulation); the weight quantised by
+    :func:`quantize_rows_triton`. See :func:`_cublas_route` for when it runs."""
+    K, N = q.shape[-1], weight.shape[0]
+    M = int(torch.Size(q.shape[:-1]).numel())
+    wq, wscale = quantize_rows_triton(weight)
+    y = torch._scaled_mm(q.reshape(M, K).contiguous(), wq.t(), scale_a=scale.reshape(M, 1).contiguous(),
+                         scale_b=wscale.reshape(1, N), out_dtype=torch.bfloat16)
+    if residual is not None:
+        r = residual.reshape(M, N)
+        # one elementwise pass where torch's own promotion lands on out_dtype (it adds in float32)
+        y = y + r if torch.result_type(y, r) == out_dtype else (y.float() + r.float()).to(out_dtype)
+    elif out_dtype != torch.bfloat16:
+        y = y.to(out_dtype)
+    return y.reshape(*q.shape[:-1], N)
 
 
 def scaled_linear_fp8_launch(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -264,7 +342,7 @@ def scaled_linear_fp8_launch(q: torch.Tensor, scale: torch.Tensor, weight: torch
     y = torch.empty((*q.shape[:-1], N), dtype=out_dtype, device=q.device)
     if M == 0 or N == 0:
         return y
-    wq, wscale = quantize_rowwise(weight)
+    wq, wscale = quantize_rowwise(weight) if interpreted or weight.dim() != 2 else quantize_rows_triton(weight)
     a, b = q.reshape(M, K).contiguous(), wq.contiguous()
     if not fp8_dot:  # the codes, as bytes: Triton has no e4m3 type before sm_89
         a, b = a.view(torch.uint8), b.view(torch.uint8)
@@ -313,6 +391,15 @@ def aot_configs() -> list[dict]:
                                 uses_dot=False, arch=arch,
                                 config=dict(dtype=_TL_NAME[dtype], D=D, kind=kind, gated=gated,
                                             rows_per_program=meta["constexprs"]["ROWS"], arch=arch)))
+        for dtype, D in ((torch.bfloat16, 1024), (torch.float32, 256)):
+            block_d = triton.next_power_of_2(D)
+            constexprs = dict(BLOCK_D=block_d, ROWS=max(1, min(16, 4096 // block_d)), HW_CVT=hw_cvt)
+            signature = {"X": "*" + _TL_NAME[dtype], "Q": "*u8", "S": "*fp32", "n_rows": "i32", "D": "i32",
+                         "sx0": "i32", "sx1": "i32", **{c: "constexpr" for c in constexprs}}
+            configs.append(dict(kernel="quantize_rows_fwd", fn=quantize_rows_fwd, signature=signature,
+                                constexprs=constexprs, num_warps=4, num_stages=1, uses_dot=False, arch=arch,
+                                config=dict(dtype=_TL_NAME[dtype], D=D, rows_per_program=constexprs["ROWS"],
+                                            arch=arch)))
     for arch, fp8_dot in (("sm_90", True), ("sm_80", False)):
         for M, out_dtype, has_bias, has_res in ((4096, torch.bfloat16, True, True),
                                                 (4096, torch.float32, False, False), (64, torch.bfloat16, False, True)):
@@ -335,5 +422,5 @@ def aot_configs() -> list[dict]:
     return configs
 
 
-__all__ = ["norm_quant_fp8_triton", "scaled_linear_fp8_triton", "scaled_linear_fp8_launch", "aot_configs",
-           "norm_quant_fwd", "scaled_fp8_gemm"]
+__all__ = ["norm_quant_fp8_triton", "scaled_linear_fp8_triton", "scaled_linear_fp8_launch", "scaled_linear_fp8_cublas",
+           "quantize_rows_triton", "aot_configs", "norm_quant_fwd", "quantize_rows_fwd", "scaled_fp8_gemm"]

@@ -289,6 +289,65 @@ def test_scaled_linear_fp8_gemm_within_e4m3_rounding_of_bf16_linear() -> None:
     assert not bool(((y.roll(1, 0).double() - ref).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, D, transposed", [(48, 32, False), (7, 33, True), (1, 1, False), (130, 100, True),
+                                                 (0, 16, False)])
+def test_weight_quantisation_kernel_is_quantize_rowwise_bit_for_bit(dtype, rows, D, transposed) -> None:
+    """The GEMM's per-call weight quantisation (``quantize_rows_fwd``) equals ``quantize_rowwise``
+    bit for bit: odd widths, one element, a transposed weight, a zero row and a NaN row."""
+    g = torch.Generator().manual_seed(rows * 131 + D)
+    w = torch.randn(D, rows, generator=g).t() if transposed else torch.randn(rows, D, generator=g)
+    w = (w * torch.logspace(-3, 3, w.shape[1]).to(w.dtype)).to(dtype)
+    if rows > 3:
+        w[1] = 0
+        w[2, 0] = float("nan")
+    got_q, got_s = fp8_triton.quantize_rows_triton(w)
+    want_q, want_s = quantize_rowwise(w)
+    finite = ~want_s.isnan().squeeze(-1)
+    assert torch.equal(bits(got_q)[finite], bits(want_q)[finite])
+    assert torch.equal(got_s.isnan(), want_s.isnan()) and torch.equal(got_s[finite], want_s[finite])
+    assert bool(got_q[~finite].float().isnan().all())
+
+
+def test_cublas_route_rules(monkeypatch) -> None:
+    """Where ``scaled_linear_fp8`` hands its GEMM to ``torch._scaled_mm`` (sm_90 only; its single
+    bf16 rounding must be the reference's) and where the Triton kernel keeps it."""
+    q = torch.zeros(4, 32, dtype=FP8_DTYPE)
+    w, r, bias = torch.zeros(16, 32), torch.zeros(4, 16), torch.zeros(16)
+    bf16, f32 = torch.bfloat16, torch.float32
+    route = fp8_triton._cublas_route
+    assert route(q, w, None, None, bf16, None, (9, 0))
+    assert route(q, w, None, r, f32, bf16, (9, 0))  # autocast: the linear rounds to bf16, then the add
+    assert not route(q, w, bias, None, bf16, None, (9, 0))  # bias: the Triton epilogue
+    assert not route(q, w, None, None, f32, None, (9, 0))  # float32 output: no bf16 rounding
+    assert not route(q, w, None, r, f32, None, (9, 0))  # unrounded linear before the residual
+    assert not route(q, w, None, None, bf16, None, (8, 9))  # Ada: no row-wise _scaled_mm
+    assert not route(torch.zeros(4, 24, dtype=FP8_DTYPE), torch.zeros(16, 24), None, None, bf16, None, (9, 0))
+    monkeypatch.setenv("GRCOMPILE_FP8_GEMM", "triton")
+    assert not route(q, w, None, None, bf16, None, (9, 0))
+
+
+@pytest.mark.parametrize("residual_dtype, out_dtype", [(None, torch.bfloat16), (torch.float32, torch.float32),
+                                                       (torch.bfloat16, torch.bfloat16),
+                                                       (torch.bfloat16, torch.float32)])
+def test_cublas_route_equals_the_reference(monkeypatch, residual_dtype, out_dtype) -> None:
+    """``scaled_linear_fp8_cublas`` (``torch._scaled_mm`` runs on CPU too) rounds where the reference
+    does: the GEMM to bf16, the residual added in float32, the sum to ``out_dtype``."""
+    monkeypatch.setattr(fp8_triton, "quantize_rows_triton", quantize_rowwise)  # its kernel needs a GPU or the interpreter
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(2, 9, 64, generator=g), torch.randn(48, 64, generator=g)
+    r = None if residual_dtype is None else torch.randn(2, 9, 48, generator=g).to(residual_dtype)
+    q, scale = quantize_rowwise(x)
+    got = fp8_triton.scaled_linear_fp8_cublas(q, scale, w, r, out_dtype=out_dtype)
+    want = _scaled_linear_reference(q, scale, w, None, r, out_dtype=out_dtype, gemm_dtype=torch.bfloat16)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got, want)
+    # negative control: without the bf16 rounding of the GEMM the sums differ
+    if r is not None and out_dtype == torch.float32:
+        unrounded = _scaled_linear_reference(q, scale, w, None, r, out_dtype=out_dtype)
+        assert not torch.equal(got, unrounded)
+
+
 @pytest.mark.parametrize("op", ["norm_quant", "scaled_linear"])
 def test_opcheck_with_the_kernels(op: str) -> None:
     """Fake vs real shapes and strides, and AOTAutograd, with the kernels running."""
