@@ -825,10 +825,12 @@ def _proof_frame(mod: fx.GraphModule, N: Any) -> tuple[fx.GraphModule, int]:
     return fx.GraphModule(torch.nn.Module(), g, class_name="ProofMod"), 2 * K + 5
 
 
-def prove(cap: Capture, validity: set[fx.Node], N: int, padding: set[fx.Node] = frozenset()) -> bool:
+def prove(cap: Capture, validity: set[fx.Node], N: int, padding: set[fx.Node] = frozenset(),
+          all_valid: bool = False) -> bool:
     """Check the exactness obligations; returns whether ``causal=True`` is proved.
 
-    Raises ``Unsupported`` if a padded key may contribute (then the fused op would differ).
+    Raises ``Unsupported`` if a padded key may contribute (then the fused op would differ);
+    ``all_valid``: the graph has no padding (every key is valid), so there is none to exclude.
     With a symbolic N the positions are enumerated on ``_proof_frame``'s range (a proof for
     every N)."""
     padding = set(padding)
@@ -852,7 +854,7 @@ def prove(cap: Capture, validity: set[fx.Node], N: int, padding: set[fx.Node] = 
         padded_key = abstract_eval(mod, inputs(i[off][None], j[off][None], true, false))
     else:
         padded_key = abstract_eval(mod, inputs(ANY, ANY, true, false))
-    if not is_masked(padded_key, cap.normalize):
+    if not all_valid and not is_masked(padded_key, cap.normalize):
         raise Unsupported("cannot prove that padded keys are masked out of the attention (mask the scores "
                           "with the validity of the keys)", cap.score)
     i, j = torch.triu_indices(N, N, offset=1)
@@ -861,7 +863,7 @@ def prove(cap: Capture, validity: set[fx.Node], N: int, padding: set[fx.Node] = 
     if cap.normalize == "softmax":
         # Keys the op skips (padded; later ones when causal) at exactly -inf are skipped by the
         # user's softmax too; if it also gives 0 on a row without keys, no row can differ.
-        skipped_inf = _neg_inf(padded_key) and (not causal or _neg_inf(future))
+        skipped_inf = (all_valid or _neg_inf(padded_key)) and (not causal or _neg_inf(future))
         diag = torch.arange(N)[None]
         if not (cap.empty_rows_zero and skipped_inf) and \
                 is_masked(abstract_eval(mod, inputs(diag, diag, true, true)), "softmax"):

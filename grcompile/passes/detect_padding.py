@@ -37,6 +37,9 @@ class PaddingInfo:
     description: str  # how validity is computed, in the user's terms
     layouts: dict[fx.Node, Layout] = field(default_factory=dict)
     padding: list[fx.Node] = field(default_factory=list)  # boolean [B, N] masks (True = padding)
+    # set by analyse_unpadded only: the [B, N] integer input whose axes the layouts follow, when the
+    # graph has no padding mask at all (every position is a real one to the model's math)
+    unpadded: fx.Node | None = None
 
 
 def _is_int_tensor(node: object) -> bool:
@@ -82,7 +85,8 @@ class DetectPadding(GraphPass):
         gm.meta[PADDING] = info
         if info is None:
             ctx.fallback(None, "no padding mask found (no `ids != pad` or `arange(N) < lengths` over a [B, N] "
-                               "input): the model is left dense")
+                               "input): nothing is packed (a causal attention may still be fused over every "
+                               "position, see fuse_attention)")
             return
         for node, layout in info.layouts.items():
             node.meta[LAYOUT] = layout
@@ -110,14 +114,7 @@ def analyse(gm: fx.GraphModule) -> PaddingInfo | None:
     if rows == positions:
         return None  # some op mixes rows and positions: no layout can be trusted
     B, N = shape_of(first)
-    layouts: dict[fx.Node, Layout] = {}
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            layouts[node] = _input_layout(node, classes, rows, positions)
-        elif canonical(node) == "arange" and _is_positions(node, N) and classes.axes_in(node, positions) == [0]:
-            layouts[node] = Token(None, 0, 1)
-        else:
-            layouts[node] = _with_rows(propagate(node, layouts), node, classes, rows)
+    layouts = _layouts(gm, classes, rows, positions, N)
     masks = [n for n, _ in candidates if layouts.get(n) == Token(0, 1, 2)
              and classes.find((n, 0)) == rows and classes.find((n, 1)) == positions]
     validity = sorted((n for n in masks if n not in is_padding), key=lambda n: -len(n.users))
@@ -127,6 +124,39 @@ def analyse(gm: fx.GraphModule) -> PaddingInfo | None:
     first = (validity or padding)[0]
     description = dict(candidates)[first] + (" (marks padding)" if first in is_padding else "")
     return PaddingInfo(B, N, validity, f"{description} at {node_site(first)}", layouts, padding)
+
+
+def analyse_unpadded(gm: fx.GraphModule) -> PaddingInfo | None:
+    """Layouts for a graph with no padding mask, rooted at its ``[B, N]`` integer input (the ids:
+    the one whose position axis the most ops share), or ``None`` when there is none. Every
+    position counts as valid (``validity`` and ``padding`` are empty, ``unpadded`` is that input):
+    what a pass may do with it is what is exact when nothing is padded — fuse a causal attention
+    as written, never drop a position."""
+    refresh_example_values(gm)
+    ids = [n for n in gm.graph.nodes if n.op == "placeholder" and _is_int_tensor(n)
+           and (s := shape_of(n)) is not None and len(s) == 2]
+    if not ids:
+        return None
+    classes = AxisClasses(gm)
+    first = max(ids, key=lambda n: classes.spread(classes.find((n, 1))))
+    rows, positions = classes.find((first, 0)), classes.find((first, 1))
+    if rows == positions:
+        return None
+    B, N = shape_of(first)
+    return PaddingInfo(B, N, [], f"no padding mask: every position of {first.name} counts as valid",
+                       _layouts(gm, classes, rows, positions, N), [], unpadded=first)
+
+
+def _layouts(gm: fx.GraphModule, classes: AxisClasses, rows, positions, N) -> dict[fx.Node, Layout]:
+    layouts: dict[fx.Node, Layout] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            layouts[node] = _input_layout(node, classes, rows, positions)
+        elif canonical(node) == "arange" and _is_positions(node, N) and classes.axes_in(node, positions) == [0]:
+            layouts[node] = Token(None, 0, 1)
+        else:
+            layouts[node] = _with_rows(propagate(node, layouts), node, classes, rows)
+    return layouts
 
 
 def _with_rows(layout: Layout, node: fx.Node, classes: AxisClasses, rows) -> Layout:

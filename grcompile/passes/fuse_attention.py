@@ -18,6 +18,10 @@ any letters and batch axes) is first rewritten as permute + matmul (counter ``ei
 also inside ``nn.TransformerEncoderLayer``) are first spelled out (``decompose_attention``) and put
 back as written when the spelled-out form does not fuse (counters ``sdpa_expanded``,
 ``mha_expanded``; the fallback names the library call and why).
+With no padding mask in the graph (``detect_padding`` found none), the layouts come from the
+``[B, N]`` integer input alone (``analyse_unpadded``) and every position counts as valid: a causal
+attention is fused where that pays (a written-out attention, or a learned bias), the rest stays as
+written with a reason; nothing is recorded for the later passes, so nothing is packed.
 Requires ``detect_padding`` to have run.
 """
 from __future__ import annotations
@@ -34,7 +38,7 @@ from ..lowering.score_mod import register_score_mod
 from ..lowering.score_mod_attention import SCORE_MOD_ATTENTION
 from .attention_capture import TableView, Unsupported, capture, is_size_scalar, prove
 from .decompose_attention import expand_library_attention, functionalise_masked_fill, restore, unbind_as_chunks
-from .detect_padding import PADDING, analyse
+from .detect_padding import PADDING, PaddingInfo, analyse, analyse_unpadded
 from .layout import Pair, Token
 from .op_semantics import canonical, describe_op, einsum_parts, example, shape_of
 from .symbolic import hoist_sizes, is_one
@@ -158,41 +162,49 @@ class FuseAttention(GraphPass):
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         info = gm.meta.get(PADDING)
-        if info is None:
+        # No padding mask: a causal attention over the padded rows is still fused as written (every
+        # position counts as valid); the layouts of this analysis stay local to this pass, so no
+        # later pass drops a position.
+        reanalyse = analyse if info is not None else analyse_unpadded
+        if info is None and (info := analyse_unpadded(gm)) is None:
             return
+
+        def keep(new_info: PaddingInfo) -> None:
+            if new_info.unpadded is None:
+                gm.meta[PADDING] = new_info
         if hoist_sizes(gm):  # a dynamic graph's scores.size(-1) would keep the B×N×N scores alive
-            info = analyse(gm)
+            info = reanalyse(gm)
             if info is None:
                 return
-            gm.meta[PADDING] = info
+            keep(info)
         filled = functionalise_masked_fill(gm)
         if filled:
             ctx.count("masked_fill_functionalised", filled)
         unbound = unbind_as_chunks(gm)
         if unbound:
             ctx.count("unbind_as_chunks", unbound)
-            info = analyse(gm)  # layouts for the new nodes
+            info = reanalyse(gm)  # layouts for the new nodes
             if info is None:
                 return
         rewritten = _normalise_einsums(gm, info.layouts)
         if rewritten:
             ctx.count("einsum_as_matmul", rewritten)
         if rewritten or filled or unbound:
-            info = analyse(gm)  # layouts for the new nodes
+            info = reanalyse(gm)  # layouts for the new nodes
             if info is None:
                 return
-            gm.meta[PADDING] = info
+            keep(info)
         expansions, refused = expand_library_attention(gm, info.layouts)
         for node, reason in refused:
             ctx.fallback(node, reason)
         if expansions:
-            info = analyse(gm)
+            info = reanalyse(gm)
             if info is None:  # cannot happen (the expansions add no validity source), but stay safe
                 for e in expansions:
                     restore(gm, e)
                 remove_dead_code(gm.graph)
                 return
-            gm.meta[PADDING] = info
+            keep(info)
         by_contraction = {e.contraction: e for e in expansions}
         fused: set[fx.Node] = set()
         layouts, validity, N, B = info.layouts, set(info.validity), info.seq_len, info.batch
@@ -205,7 +217,9 @@ class FuseAttention(GraphPass):
             try:
                 cap = capture(node, layouts, validity, N)
                 cap.empty_rows_zero |= expansion is not None and expansion.empty_rows_zero
-                causal = prove(cap, validity, N, set(info.padding))
+                causal = prove(cap, validity, N, set(info.padding), all_valid=info.unpadded is not None)
+                if info.unpadded is not None:
+                    _worth_fusing_unpadded(cap, causal, expansion, node)
                 _check_no_write_before(write_order, node, cap, validity)
                 key = self._emit(gm, node, cap, causal, info)
             except Unsupported as e:
@@ -216,6 +230,8 @@ class FuseAttention(GraphPass):
                 continue
             fused.add(node)
             extra = {"spelling": expansion.label} if expansion is not None else {}
+            if info.unpadded is not None:
+                extra["padding"] = "none found: every position counts as valid"
             ctx.rewrite("score_mod_attention", node, normalize=cap.normalize, causal=causal, dropout_p=cap.dropout_p,
                         bias_tables=len(cap.tables), side_inputs=len(cap.sides), score_mod=key,
                         head_index=cap.uses_head, **extra)
@@ -263,10 +279,24 @@ class FuseAttention(GraphPass):
         return key
 
 
+def _worth_fusing_unpadded(cap, causal: bool, expansion, node: fx.Node) -> None:
+    """With nothing padded the fused op skips no key, so it pays only where it replaces a written-out
+    attention (the ``[B, H, N, N]`` scores are never stored) or a bias tensor (computed in-kernel):
+    a library call with no bias (SDPA, MultiheadAttention: already one fused kernel) and a
+    non-causal attention are left as written."""
+    if not causal:
+        raise Unsupported("no padding mask and no causal mask: the attention is left as written", node)
+    learned = cap.sides or any(view is None or view.static is None for view in cap.views)
+    if expansion is not None and not learned:
+        raise Unsupported(f"no padding mask and no bias: {expansion.label} is already one fused kernel", node)
+
+
 def _valid_before(g: fx.Graph, node: fx.Node, info) -> fx.Node:
     """A ``[B, N]`` validity node usable at ``node`` (emitted at the insertion point): the mask the
     user computes, or its negated padding mask; when the user computes it only later in the
     program (after the attention), a copy of its computation (a comparison of the inputs)."""
+    if info.unpadded is not None:  # nothing is padded: every position is valid
+        return g.call_function(torch.ones_like, (info.unpadded,), {"dtype": torch.bool})
     order = {n: i for i, n in enumerate(g.nodes)}
     for v in info.validity:
         if order[v] < order[node]:

@@ -10,9 +10,12 @@ import torch.nn.functional as F
 from grcompile.user_model import UserModel
 from tests.zoo.batches import padded_ids
 
-# Fusing is legal (a causal attention over the padded rows). Packing is not provable: nothing in
-# the graph says that the padding is a suffix of each row; only the data convention does.
-EXPECT = {"fused_attention": 2, "jagged": False,
+# Fusing is legal (a causal attention over the padded rows, every position computed) but gains
+# nothing here: SDPA is already one fused kernel and there is no bias to compute in-kernel, so the
+# calls stay as written (a written-out causal attention with no padding mask does fuse:
+# tests/passes/test_unpadded_attention.py). Packing is not provable: nothing in the graph says that
+# the padding is a suffix of each row; only the data convention does.
+EXPECT = {"fused_attention": 0, "jagged": False,
           "dense_reason": "no key mask: padded keys are excluded only by right padding, a property of the data"}
 
 

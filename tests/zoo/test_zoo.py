@@ -30,14 +30,11 @@ NOT_YET: dict[str, str] = {
                           "the break has no ids to find the padding in: the SDPA there is not fused",
     "negatives_rn": "jagged exit: the per-position cross-entropy over logits.flatten(0, 1), masked after the "
                     "loss, stays dense (partial)",
-    "sdpa_causal_last": "SDPA(is_causal=True) with no mask in the graph: detect_padding finds no padding mask, so "
-                        "nothing is fused (a dense causal fusion is legal)",
 }
 
 # model -> why its no_grad eval graph (inference) does not fuse what its training graph fuses
 NOT_YET_EVAL: dict[str, str] = {
     "fbgemm_user_jagged": "the training graph does not fuse either (NOT_YET)",
-    "sdpa_causal_last": "the training graph does not fuse either (NOT_YET)",
 }
 
 # models whose fallback reasons are not yet sentences naming the user's op (raw reprs)
