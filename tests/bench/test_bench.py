@@ -171,6 +171,27 @@ def test_attention_kernel_timer_runs_in_the_interpreter(tmp_path: Path) -> None:
     assert r["bwd"]["useful_tflop"] == pytest.approx(2.5 * r["fwd"]["useful_tflop"])
 
 
+def test_fp8_kernel_bench_runs_in_the_interpreter(tmp_path: Path) -> None:
+    """The FP8 GPU measurement's command, as a smoke test: its on-device checks hold in the
+    interpreter too (bit-equal quantisations), every path is timed, the JSON carries both GEMMs."""
+    import os
+
+    from grcompile.bench import fp8_kernel
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py)")
+    out = tmp_path / "f.json"
+    assert fp8_kernel.main(["--tokens", "24", "--dim", "32", "--heads", "2", "--head-dim", "16", "--iters", "1",
+                            "--warmup", "0", "--back-to-back", "2", "--device", "cpu", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    for side, (K, N) in (("input_projection", (32, 128)), ("output_projection", (32, 32))):
+        assert (r[side]["M"], r[side]["K"], r[side]["N"]) == (24, K, N)
+        checks = r[side]["checks"]
+        assert checks["norm_quant_bit_equal"] and checks["weight_quant_bit_equal"]
+        assert checks["triton_vs_bf16_linear_rel"] < 0.1  # e4m3's rounding, not a wrong GEMM
+        assert all(t["ms"] > 0 for t in r[side]["timings"].values()) and len(r[side]["timings"]) == 10
+
+
 def test_parity_compares_two_runs_losses(tmp_path: Path) -> None:
     """bench.parity: tail means, their standard errors and the gap in standard errors, and a plot."""
     from grcompile.bench import parity

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# What the next GPU session should measure (one call; see docs/precision-memory.md and
+# docs/lowering.md, "Measured on an H200"): the FP8 block GEMMs with launch time hidden, then
+# grcompile end-to-end on HSTU-large at a larger load, bf16 and FP8.
+set -u
+OUT=${OUT:-/tmp/grcompile-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD GRCOMPILE_TRITON_CACHE=/tmp/grcompile-triton
+LOG="$OUT/next.log"
+step() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
+step fp8 kernels back to back
+timeout 90 python3 -m grcompile.bench.fp8_kernel --tokens 32768 --dim 1024 --back-to-back 10 \
+  --json "$OUT/fp8-kernels-b2b.json" 2>&1 | tee -a "$LOG"
+for precision in bf16 fp8; do
+  step e2e grcompile $precision
+  timeout 200 python3 -m grcompile.bench --model hstu --preset large --max-len 2048 --batch-size 16 --device cuda \
+    --precision $precision --modes grcompile --steps 3 --warmup 1 --timeout 190 --no-aot \
+    --json "$OUT/e2e-grcompile-$precision.json" 2>&1 | grep -v "^\s*$" | tail -12 | tee -a "$LOG"
+done
+step done
