@@ -147,11 +147,19 @@ def note_fallback(name: str, key: str, why: str, kernel: str = "triton") -> bool
     return first
 
 
+def note_library(name: str, library: str, kernel: str = "triton") -> None:
+    """Record that op ``name``'s ``kernel`` handed a call to a vendor library (``library``, e.g.
+    ``"cublas"``) computing the same thing: the call counts under ``library``."""
+    entry = OPS[name]
+    entry.calls[kernel] -= 1
+    entry.calls[library] += 1
+
+
 def kernel_usage() -> dict[str, dict[str, int]]:
     """``{op: {backend: calls}}`` of the ops with a kernel slot run so far in this process (the
     others — ``pack_index``, the composite ``score_mod_attention`` — have nothing to choose)."""
-    return {name: dict(entry.calls) for name, entry in sorted(OPS.items())
-            if entry.calls and (entry.triton is not None or entry.ascend is not None)}
+    return {name: {b: n for b, n in entry.calls.items() if n} for name, entry in sorted(OPS.items())
+            if +entry.calls and (entry.triton is not None or entry.ascend is not None)}
 
 
 def kernel_fallbacks() -> list[str]:
@@ -181,7 +189,7 @@ from . import fp8  # noqa: E402,F401
 from . import checks, constant_check, pack, score_mod_attention, sparse_lookup  # noqa: E402,F401
 
 __all__ = ["OPS", "OpEntry", "BACKENDS", "register_op", "lookup", "use_backend", "preferred_backend",
-           "note_fallback", "kernel_usage", "kernel_fallbacks", "set_backend",
+           "note_fallback", "note_library", "kernel_usage", "kernel_fallbacks", "set_backend",
            "register_score_mod", "get_score_mod",
            "jagged_attention",
            "gated_norm", "jagged", "score_mod"]

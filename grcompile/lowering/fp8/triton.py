@@ -287,6 +287,8 @@ def scaled_linear_fp8_triton(q: torch.Tensor, scale: torch.Tensor, weight: torch
         _note_fallback("scaled_linear_fp8", where, f"no kernel for {where} (needs CUDA sm_80+)")
         return _scaled_linear_reference(q, scale, weight, bias, residual, out_dtype=out_dtype, gemm_dtype=gemm_dtype)
     if not interpreted and _cublas_route(q, weight, bias, residual, out_dtype, gemm_dtype, cc):
+        from .. import note_library
+        note_library("scaled_linear_fp8", "cublas")  # report() says which library ran the GEMM
         return scaled_linear_fp8_cublas(q, scale, weight, residual, out_dtype=out_dtype)
     return scaled_linear_fp8_launch(q, scale, weight, bias, residual, out_dtype=out_dtype, gemm_dtype=gemm_dtype,
                                     fp8_dot=interpreted or cc >= (8, 9), interpreted=interpreted)

@@ -399,3 +399,21 @@ def test_aot_configs_compile_for_sm90() -> None:
     assert all(not r["failures"] and r["spill"] == 0 for r in res["records"]), res["records"]
     assert all(r["tensor_cores"] for r in res["records"] if r["kernel"] == "scaled_fp8_gemm")
     assert res["wgmma"] and all(".e4m3.e4m3" in w for w in res["wgmma"]), res["wgmma"]
+
+
+def test_a_library_handoff_is_reported_under_the_library() -> None:
+    """report()'s kernel line names who ran the call: a GEMM handed to cuBLAS counts there."""
+    from grcompile.lowering import OPS, kernel_usage, note_library
+
+    entry = OPS["scaled_linear_fp8"]
+    saved = entry.calls.copy()
+    try:
+        entry.calls.clear()
+        entry.calls["triton"] += 2
+        note_library("scaled_linear_fp8", "cublas")
+        assert kernel_usage()["scaled_linear_fp8"] == {"triton": 1, "cublas": 1}
+        note_library("scaled_linear_fp8", "cublas")
+        assert kernel_usage()["scaled_linear_fp8"] == {"cublas": 2}
+    finally:
+        entry.calls.clear()
+        entry.calls.update(saved)
