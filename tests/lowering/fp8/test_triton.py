@@ -395,7 +395,7 @@ def test_aot_configs_compile_for_sm90() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     kernels = {r["kernel"] for r in res["records"]}
-    assert kernels == {"norm_quant_fwd", "scaled_fp8_gemm"}
+    assert kernels == {"norm_quant_fwd", "quantize_rows_fwd", "scaled_fp8_gemm"}
     assert all(not r["failures"] and r["spill"] == 0 for r in res["records"]), res["records"]
     assert all(r["tensor_cores"] for r in res["records"] if r["kernel"] == "scaled_fp8_gemm")
     assert res["wgmma"] and all(".e4m3.e4m3" in w for w in res["wgmma"]), res["wgmma"]
