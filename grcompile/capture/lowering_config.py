@@ -84,6 +84,24 @@ class OpsVersion(CustomGraphPass):
         return get_hash_for_files(_op_layer_sources(), extra="grcompile op layer")
 
 
+class _Chained(CustomGraphPass):
+    """Several post-grad passes as one, for a torch that takes a single pass: each runs in order,
+    the cache key combines their uuids."""
+
+    def __init__(self, passes: tuple) -> None:
+        self.passes = passes
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self) -> bytes:
+        parts = [p.uuid() if hasattr(p, "uuid") else None for p in self.passes]
+        if any(u is None for u in parts):
+            return None  # a pass without a uuid: no cache key (inductor then does not cache)
+        return repr([u if isinstance(u, (bytes, str)) else str(u) for u in parts]).encode()
+
+
 INDUCTOR_CONFIG: dict[str, Any] = {
     "pattern_matcher": False,
     "reorder_for_peak_memory": False,
@@ -100,6 +118,6 @@ def inductor_config() -> dict[str, Any]:
     # an OpsVersion already configured is grcompile's own (a compile nested in one of ours): not twice
     users = [p for p in get_custom_graph_passes(inductor_settings.post_grad_custom_post_pass)
              if not isinstance(p, OpsVersion)]
-    if users and not _PASS_LISTS:  # this torch takes one pass: the user's runs, the cache key lacks ours
-        return {**INDUCTOR_CONFIG, "post_grad_custom_post_pass": users[0] if len(users) == 1 else users}
+    if users and not _PASS_LISTS:  # this torch takes one pass: theirs and ours chained in one
+        return {**INDUCTOR_CONFIG, "post_grad_custom_post_pass": _Chained((*users, ours))}
     return {**INDUCTOR_CONFIG, "post_grad_custom_post_pass": [*users, ours] if users else ours}

@@ -158,7 +158,7 @@ def note_library(name: str, library: str, kernel: str = "triton") -> None:
 def kernel_usage() -> dict[str, dict[str, int]]:
     """``{op: {backend: calls}}`` of the ops with a kernel slot run so far in this process (the
     others — ``pack_index``, the composite ``score_mod_attention`` — have nothing to choose)."""
-    return {name: {b: n for b, n in entry.calls.items() if n} for name, entry in sorted(OPS.items())
+    return {name: {b: n for b, n in entry.calls.items() if n > 0} for name, entry in sorted(OPS.items())
             if +entry.calls and (entry.triton is not None or entry.ascend is not None)}
 
 

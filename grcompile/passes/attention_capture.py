@@ -748,6 +748,30 @@ def _varies_beyond_tokens(n: fx.Node, layout: Token) -> bool:
     return shape is not None and any(not is_one(s) for a, s in enumerate(shape) if a not in (layout.batch, layout.seq))
 
 
+def _keeps_own_key(cap: Capture, mod: fx.GraphModule, N: int, heads: list) -> bool:
+    """Whether every query provably keeps its own key, whatever the per-token inputs: the
+    score_mod on the diagonal, for a finite score (0) and zero learned tables, is a known finite
+    logit above the masked threshold. A per-token side value (a mask input), a per-pair tensor
+    or anything else unknown makes it unprovable."""
+    if cap.sides or any(view is not None and view.static is None for view in cap.views):
+        return False
+    tables = []
+    for t, view in zip(cap.tables, cap.views):
+        if view is not None:
+            tables.append(view.static)
+            continue
+        ex = example(t)
+        if not isinstance(ex, torch.Tensor) or not all(isinstance(n, int) for n in ex.shape):
+            return False  # a symbolic-size table: no concrete stand-in
+        tables.append(torch.zeros(tuple(ex.shape), dtype=ex.dtype))
+    diag = torch.arange(N)[None]
+    try:
+        value = abstract_eval(mod, [torch.zeros(()), diag, diag, *heads, *tables])
+    except (IndexError, RuntimeError):  # a lookup outside a zero table's range: not provable here
+        return False
+    return _finite(value) and not is_masked(value, "softmax")
+
+
 def _neg_inf(value: Any) -> bool:
     return not isinstance(value, _Any) and _all(value, lambda t: t == -math.inf)
 
@@ -860,6 +884,14 @@ def prove(cap: Capture, validity: set[fx.Node], N: int, padding: set[fx.Node] = 
     i, j = torch.triu_indices(N, N, offset=1)
     future = abstract_eval(mod, inputs(i[None], j[None], true, true))
     causal = is_masked(future, cap.normalize)
+    if cap.normalize == "softmax" and all_valid and not _keeps_own_key(cap, mod, N, heads) and \
+            not (cap.empty_rows_zero and (not causal or _neg_inf(future))):
+        # With no padding mask the user's own mask (an attention_mask input, left padding) may
+        # mask every key of a row: eager's softmax then spreads over all of them (finite masks) or
+        # gives NaN (-inf), where the op skips the future keys and gives 0.
+        raise Unsupported("no padding mask was found, and the model's own mask may mask every key of a query "
+                          "(left padding, an attention_mask input): a fused softmax would differ on such rows",
+                          cap.score)
     if cap.normalize == "softmax":
         # Keys the op skips (padded; later ones when causal) at exactly -inf are skipped by the
         # user's softmax too; if it also gives 0 on a row without keys, no row can differ.

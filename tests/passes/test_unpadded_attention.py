@@ -141,3 +141,49 @@ def test_batch_and_length_change():
         x = ids(B, seed=B)[:, :T]
         torch.testing.assert_close(optimized(x), module(x))
     assert fused(grcompile.report(optimized))
+
+
+class MaskInput(nn.Module):
+    """A causal attention whose key mask is an ``attention_mask`` input (HF style), not derived from
+    the ids: with left padding a padded query may have every key masked."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.emb = nn.Embedding(VOCAB, D)
+        self.qkv = nn.Linear(D, 3 * D)
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        B, T = ids.shape
+        q, k, v = (t.view(B, T, H, -1).transpose(1, 2) for t in self.qkv(self.emb(ids)).split(D, dim=-1))
+        future = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+        if self.how == "sdpa_additive":  # -1e9 for the future and for padded keys, one float mask
+            mask = torch.zeros(T, T, dtype=q.dtype).masked_fill(future, -1e9) \
+                + (1.0 - attention_mask)[:, None, None, :] * -1e9
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        scores = q @ k.transpose(-1, -2)
+        if self.how == "finfo_min":
+            low = torch.finfo(scores.dtype).min
+            scores = scores.masked_fill(future, low).masked_fill(attention_mask[:, None, None, :] < 0.5, low)
+        else:  # "-inf": a row with every key masked is NaN in eager
+            scores = scores.masked_fill(~attention_mask.bool()[:, None, None, :], float("-inf")) \
+                .masked_fill(future, float("-inf"))
+        return torch.softmax(scores, -1) @ v
+
+
+@pytest.mark.parametrize("how", ["sdpa_additive", "finfo_min", "-inf"])
+def test_a_mask_input_with_left_padding_is_not_fused(how):
+    """The user's own mask may empty a row (left padding): eager then spreads the softmax over every
+    key, or gives NaN, where a fused op would skip the future keys or give 0 — so it stays as
+    written, exact at every position (NaN where eager has NaN)."""
+    torch.manual_seed(0)
+    module = MaskInput(how).double()
+    x = ids(3)
+    attention_mask = torch.ones(3, N, dtype=torch.float64)
+    attention_mask[0, :2] = 0  # left padding: queries 0 and 1 of row 0 see only masked keys
+    optimized = grcompile.optimize(module, lowering="eager")
+    torch.testing.assert_close(optimized(x, attention_mask), module(x, attention_mask), equal_nan=True)
+    report = grcompile.report(optimized)
+    assert not fused(report)
+    (why,) = reasons(report)
+    assert "may mask every key of a query" in why

@@ -322,6 +322,7 @@ def test_cublas_route_rules(monkeypatch) -> None:
     assert not route(q, w, None, None, f32, None, (9, 0))  # float32 output: no bf16 rounding
     assert not route(q, w, None, r, f32, None, (9, 0))  # unrounded linear before the residual
     assert not route(q, w, None, None, bf16, None, (8, 9))  # Ada: no row-wise _scaled_mm
+    assert not route(q, w, None, None, bf16, None, (10, 0))  # measured on sm_90 only
     assert not route(torch.zeros(4, 24, dtype=FP8_DTYPE), torch.zeros(16, 24), None, None, bf16, None, (9, 0))
     monkeypatch.setenv("GRCOMPILE_FP8_GEMM", "triton")
     assert not route(q, w, None, None, bf16, None, (9, 0))
