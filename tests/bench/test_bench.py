@@ -214,3 +214,17 @@ def test_parity_compares_two_runs_losses(tmp_path: Path) -> None:
     out = tmp_path / "p.png"
     assert parity.main([a, b, "--window", "5", "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cpu_attention_timer_runs(tmp_path: Path) -> None:
+    """The CPU reference's timer: both directions timed, the pairs counted from the length mix."""
+    from grcompile.bench import attention_cpu
+
+    out = tmp_path / "c.json"
+    assert attention_cpu.main(["--rows", "5", "--max-len", "12", "--heads", "2", "--head-dim", "4", "--iters", "1",
+                               "--warmup", "0", "--dropout", "0.1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["forward_ms"] > 0 and r["backward_ms"] > 0 and r["causal"] and r["dropout"] == 0.1
+    assert r["pairs"] >= 2 * (1 + 12 * 13 // 2)  # rows of length 0, 1 and 12 among the 5, two heads
+    with pytest.raises(SystemExit):
+        attention_cpu.main(["--rows", "0"])

@@ -67,13 +67,14 @@ PLANS = [
     {"BUCKET_WASTE": 1.0, "BUCKET_SLACK_PAIRS": 0},  # everything in one bucket
     {"CHUNK_ELEMENTS": 1, "MIN_Q_BLOCK": 1},  # one row per chunk, one query per block
     {"CHUNK_ELEMENTS": 50, "MIN_Q_BLOCK": 3, "BUCKET_SLACK_PAIRS": 0},
+    {"CAUSAL_Q_BLOCK": 2},  # causal chunks cut into query blocks of 2
     {"COMPILE_CHUNKS": False},  # the plain eager chunk (the tests' default, tests/conftest.py)
 ]
 
 
 # knob -> the module whose global it is (read at call time)
 KNOBS = {"BUCKET_WASTE": buckets, "BUCKET_SLACK_PAIRS": buckets, "CHUNK_ELEMENTS": buckets, "MIN_Q_BLOCK": buckets,
-         "COMPILE_CHUNKS": chunks}
+         "CAUSAL_Q_BLOCK": buckets, "COMPILE_CHUNKS": chunks}
 
 
 @contextlib.contextmanager

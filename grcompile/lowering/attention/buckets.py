@@ -1,6 +1,8 @@
 """The bucket planner of the CPU reference: rows grouped by length into buckets whose padded pair
 area wastes at most ``BUCKET_WASTE`` (or ``BUCKET_SLACK_PAIRS`` pairs), each bucket split into
-chunks of at most ``CHUNK_ELEMENTS`` score elements (query blocks for one long row).
+chunks of at most ``CHUNK_ELEMENTS`` score elements (query blocks for one long row); a causal chunk
+is cut into query blocks of at most ``CAUSAL_Q_BLOCK`` (each reads the keys up to its end, so the
+masked upper triangle is mostly not computed).
 
 The knobs are module globals read at call time: set them on this module (tests do).
 """
@@ -14,6 +16,7 @@ BUCKET_WASTE = 0.125  # max fraction of a bucket's padded pair area that is padd
 BUCKET_SLACK_PAIRS = 8192  # ... or this many padded pairs, whichever is larger
 CHUNK_ELEMENTS = 1 << 22  # max elements of one chunk's [n, H, Lq, Lk] score tensor
 MIN_Q_BLOCK = 16  # smallest query block when a single row exceeds CHUNK_ELEMENTS
+CAUSAL_Q_BLOCK = 256  # causal chunks with longer rows are cut into query blocks of about this size
 
 
 def plan_buckets(lengths: Sequence[int], waste: Optional[float] = None,
@@ -61,6 +64,10 @@ def _chunks(offs: list[int], heads: int, causal: bool, device: torch.device, bud
             rows = bucket[c:c + rows_per_chunk]
             L = lengths[rows[0]]  # longest of this chunk
             q_block = L if len(rows) > 1 or heads * L * L <= budget else max(MIN_Q_BLOCK, budget // (heads * L))
+            if causal and q_block > CAUSAL_Q_BLOCK:
+                # a causal block reads the keys up to its end only: 4 blocks compute 62.5 % of the square
+                blocks = -(-q_block // CAUSAL_Q_BLOCK)
+                q_block = -(-q_block // blocks)
             live = [True] * len(rows) + [False] * (len(rows) < 2)
             rows = rows + rows[:1] * (len(rows) < 2)
             starts = torch.tensor([offs[r] for r in rows], dtype=torch.int64, device=device)

@@ -6,6 +6,7 @@ this module to run the eager chunk.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import types
@@ -16,7 +17,7 @@ import torch
 from torch.fx.experimental import _config as fx_config
 
 from ..score_mod import get_score_mod
-from .dropout import dropout_keep
+from .dropout import dropout_keep_rows
 from .validation import _OP
 
 # built once, reused by every call: torch's ``config.patch`` leaves a fresh ContextVar in the caller's
@@ -24,44 +25,146 @@ from .validation import _OP
 _NO_DUCK_SHAPE = fx_config.patch(use_duck_shape=False)
 
 
-def _chunk_attention(qb, kb, vb, q_pos, k_pos, k_valid, q_sides, k_sides, tables, q_tok, k_tok, seed, dropout_p,
+def _chunk_attention(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, tables, drop_rows, k_tok, dropout_p,
                      *, mod, use_qk, activation, scale, out_scale, causal, dropout):
-    """qb [n, H, Lq, dqk], kb [n, H, Lk, dqk], vb [n, H, Lk, dv]; q_pos/q_sides/q_tok [n, Lq];
-    k_pos/k_sides/k_valid/k_tok [n, Lk] -> [n, H, Lq, dv] (padded query slots hold garbage).
-    ``q_tok``/``k_tok``/``seed``/``dropout_p`` (a 0-d tensor, so that compiled kernels do not
-    specialise on it) feed the dropout mask, used when ``dropout``."""
+    """qb [n, H, Lq, dqk], kb [n, H, Lk, dqk], vb [n, H, Lk, dv]; q_pos/q_lim/q_sides [n, Lq];
+    k_pos/k_lim/k_sides/k_tok [n, Lk] -> [n, H, Lq, dv] (padded query slots hold garbage).
+    ``q_lim``/``k_lim`` (:func:`mask_limits`) carry the mask; ``drop_rows`` (:func:`dropout_rows`),
+    ``k_tok`` and ``dropout_p`` (a 0-d tensor, so that compiled kernels do not specialise on it)
+    the dropout mask, used when ``dropout``."""
     dtype = vb.dtype
-    if use_qk:
-        s = torch.matmul(qb, kb.transpose(-2, -1))
-        if scale != 1.0:
-            s = s * scale
-    else:
-        s = torch.zeros((), dtype=dtype, device=vb.device)
-    qp, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]
+    s = _scores(qb, kb, vb, use_qk, scale)
     if mod is not None:
-        s = mod(s, qp, kp, tuple(t[:, None, :, None] for t in q_sides),
+        s = mod(s, q_pos[:, None, :, None], k_pos[:, None, None, :], tuple(t[:, None, :, None] for t in q_sides),
                 tuple(t[:, None, None, :] for t in k_sides), tuple(tables), heads=vb.shape[1])
         s = s.to(dtype)
-    allowed = k_valid[:, None, None, :]
-    if causal:
-        allowed = allowed & (kp <= qp)
+    allowed = _allowed(q_lim, k_lim, causal)
     if activation == "softmax":
-        s = torch.where(allowed, s, float("-inf"))
-        live = (s > float("-inf")).any(dim=-1, keepdim=True)  # a query with no allowed key -> 0
-        a = torch.softmax(torch.where(live, s, 0.0), dim=-1)
-        a = torch.where(live & allowed, a, 0.0)
+        a = _masked_softmax(s, allowed)
     else:
         a = torch.nn.functional.silu(s) if activation == "silu" else s
         a = torch.where(allowed, a, 0.0)
     if dropout:
-        keep = dropout_keep(seed, q_tok, k_tok, vb.shape[1], dropout_p)
-        a = torch.where(keep, a / (1.0 - dropout_p), 0.0)
+        a = torch.where(dropout_keep_rows(drop_rows, k_tok, dropout_p), a / (1.0 - dropout_p), 0.0)
     if out_scale != 1.0:
         a = a * out_scale
-    target = (vb.shape[0], vb.shape[1], q_pos.shape[1], k_pos.shape[1])
+    target = (vb.shape[0], vb.shape[1], q_lim.shape[1], k_lim.shape[1])
     if tuple(a.shape) != target:
         a = a.expand(target)
     return torch.matmul(a, vb)
+
+
+def _chunk_softmax_backward(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, tables, drop_rows, k_tok,
+                            dropout_p, grad_out, *, mod, use_qk, scale, out_scale, causal, dropout):
+    """The analytic backward of :func:`_chunk_attention` with a softmax: ``grad_out [n, H, Lq, dv]``
+    -> ``(dq, dk, dv, grads)``, ``dq``/``dk`` None unless ``use_qk``, ``grads`` those of the
+    floating ``q_sides``, ``k_sides`` and ``tables`` in that order (what the score_mod reads).
+
+    Recomputes the probabilities P (no activation is stored); with ``A = P∘keep/(1 − p)·out_scale``
+    the matrix the forward multiplied by v and ``G = dO·vᵀ``: ``dv = Aᵀ·dO`` and
+    ``dS = A∘G − P·Σⱼ A∘G`` (the softmax backward with the dropout and the output scale folded in,
+    so the dropout hash runs once, for A). The score_mod's own backward is its vector-Jacobian
+    product (``torch.func.vjp``, traced into the same graph): it turns ``dS`` into the gradient of
+    the raw scores and those of the side tensors and tables. Five matmuls and one fused pass over
+    the scores, where autograd through the compiled forward recomputed the forward, stored its
+    masks as bools (slow stores) and ran a second graph."""
+    s_raw = _scores(qb, kb, vb, use_qk, scale)
+    differentiable = [t for t in (*q_sides, *k_sides, *tables) if t.is_floating_point()]
+    if mod is None:
+        s = s_raw
+    else:
+        def modded(raw, *floats):
+            replaced = iter(floats)
+            qs, ks, tabs = ([next(replaced) if t.is_floating_point() else t for t in group]
+                            for group in (q_sides, k_sides, tables))
+            return mod(raw, q_pos[:, None, :, None], k_pos[:, None, None, :], tuple(t[:, None, :, None] for t in qs),
+                       tuple(t[:, None, None, :] for t in ks), tuple(tabs), heads=vb.shape[1]).to(vb.dtype)
+        s, mod_vjp = _vjp(modded, s_raw, *differentiable)
+    p = _masked_softmax(s, _allowed(q_lim, k_lim, causal))  # exactly 0 off the mask and on dead rows
+    p = p.expand(vb.shape[0], vb.shape[1], q_lim.shape[1], k_lim.shape[1])  # [n, 1, ...] when not use_qk
+    a = p * out_scale if out_scale != 1.0 else p
+    if dropout:
+        a = torch.where(dropout_keep_rows(drop_rows, k_tok, dropout_p), a / (1.0 - dropout_p), 0.0)
+    dv = torch.matmul(a.transpose(-2, -1), grad_out)
+    if not use_qk and not differentiable:
+        return None, None, dv, []
+    a_g = a * torch.matmul(grad_out, vb.transpose(-2, -1))
+    d_s = a_g - p * a_g.sum(dim=-1, keepdim=True)
+    grads = []
+    if mod is not None:
+        d_s, *grads = mod_vjp(d_s.sum_to_size(s.shape))
+    if not use_qk:
+        return None, None, dv, grads
+    d_s = d_s.expand(p.shape)
+    if scale != 1.0:
+        d_s = d_s * scale
+    return torch.matmul(d_s, kb), torch.matmul(d_s.transpose(-2, -1), qb), dv, grads
+
+
+def _vjp(fn: Callable, *primals: torch.Tensor) -> tuple[torch.Tensor, Callable]:
+    """``torch.func.vjp`` where Dynamo traces it (the compiled chunk: one graph, no autograd at run
+    time); eagerly, a local autograd tape (functorch's wrappers would reach the op's callers, and
+    ``opcheck``'s schema mode cannot read their storage)."""
+    if torch.compiler.is_compiling():
+        return torch.func.vjp(fn, *primals)
+    with _autograd_reenabled():
+        leaves = [t.detach().requires_grad_(True) for t in primals]
+        out = fn(*leaves)
+
+    def vjp_fn(cotangent: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with _autograd_reenabled():
+            return torch.autograd.grad(out, leaves, cotangent, allow_unused=True, materialize_grads=True)
+    return out.detach(), vjp_fn
+
+
+@contextlib.contextmanager
+def _autograd_reenabled():
+    """Re-enable autograd inside a custom op's implementation.
+
+    A custom op's kernel runs below the Autograd dispatch key (the autograd keys sit in the
+    thread-local exclude set), so ``torch.enable_grad()`` alone records nothing. The backward
+    recomputation needs a local tape: drop the autograd keys from the exclude set for its scope."""
+    C, DK = torch._C, torch._C.DispatchKey
+    include, exclude = C._dispatch_tls_local_include_set(), C._dispatch_tls_local_exclude_set()
+    for key in (DK.AutogradFunctionality, DK.AutogradOther, DK.AutogradNestedTensor):
+        exclude = exclude.remove(key)
+    with C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+        yield
+
+
+def _scores(qb, kb, vb, use_qk: bool, scale: float) -> torch.Tensor:
+    if not use_qk:
+        return torch.zeros((), dtype=vb.dtype, device=vb.device)
+    s = torch.matmul(qb, kb.transpose(-2, -1))
+    return s * scale if scale != 1.0 else s
+
+
+def _allowed(q_lim: torch.Tensor, k_lim: torch.Tensor, causal: bool) -> torch.Tensor:
+    k_lim = k_lim[:, None, None, :]
+    return k_lim <= q_lim[:, None, :, None] if causal else k_lim < float("inf")
+
+
+def _masked_softmax(s: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Softmax over the allowed keys; exactly 0 elsewhere and on a query with no allowed key."""
+    s = torch.where(allowed, s, float("-inf"))
+    live = s.amax(dim=-1, keepdim=True) > float("-inf")
+    a = torch.softmax(torch.where(live, s, 0.0), dim=-1)
+    return torch.where(live & allowed, a, 0.0)
+
+
+def mask_positions(positions: torch.Tensor, max_len: int) -> torch.Tensor:
+    """``positions`` as the floats :func:`mask_limits` compares: exact, since positions lie in
+    ``[0, max_len)`` and float32 holds every integer up to 2²⁴ (float64 is used above that)."""
+    return positions.to(torch.float32 if max_len <= (1 << 24) else torch.float64)
+
+
+def mask_limits(mask_pos: torch.Tensor, q_index: torch.Tensor, k_index: torch.Tensor,
+                k_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's mask as floats: ``q_lim`` the query slots' positions, ``k_lim`` the key slots'
+    positions with ``+inf`` at padding slots, so that ``allowed = k_lim <= q_lim`` (causal) or
+    ``k_lim < inf``: one vectorised float compare per score. The int64 compare and bool ``&`` it
+    replaces cost 3-4x the whole softmax in inductor's AVX2 code. ``mask_pos``: :func:`mask_positions`."""
+    return mask_pos[q_index], torch.where(k_valid, mask_pos[k_index], float("inf"))
 
 
 _COMPILED_CHUNKS: dict[tuple, Callable] = {}
@@ -69,11 +172,14 @@ COMPILE_CHUNKS = os.environ.get("GRCOMPILE_COMPILE_CHUNKS", "1") != "0"
 
 
 def _chunk_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activation: str, scale: float,
-                  out_scale: float, causal: bool, dropout_p: float, head_widths: tuple[int, int]) -> Callable:
+                  out_scale: float, causal: bool, dropout_p: float, head_widths: tuple[int, int],
+                  autograd: bool = False) -> Callable:
     """``_chunk_attention`` with its options (and ``dropout_p``, as a 0-d tensor) bound, compiled by
     inductor once per option set (dynamic shapes): the score_mod, mask and activation become one
     fused loop instead of a dozen eager passes over ``[n, H, Lq, Lk]`` (2x on the HSTU backward at
-    ML-1M size). The forward and the recomputing backward get the same kernel from here.
+    ML-1M size). ``autograd``: the kernel the backward differentiates (activations other than the
+    softmax, whose backward is :func:`_chunk_softmax_backward`); it is compiled apart from the
+    forward's, which never computes a gradient.
 
     Each option set gets its own function (a copy of the code object, the options as keyword
     defaults, no ``functools.partial``: Dynamo would trace a wrapper shared by all of them), so
@@ -88,18 +194,36 @@ def _chunk_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activatio
     p = torch.tensor(dropout_p, dtype=torch.float64)
     options = dict(mod=mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
                    dropout=dropout_p > 0)
+    key = (score_mod, dtype, use_qk, activation, scale, out_scale, causal, dropout_p > 0, autograd)
+    inductor_options = _inductor_options(score_mod) if autograd else {}
+    return functools.partial(_compiled(_chunk_attention, key, options, head_widths, inductor_options), dropout_p=p)
+
+
+def _chunk_backward_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, scale: float, out_scale: float,
+                           causal: bool, dropout_p: float, head_widths: tuple[int, int], table_grads: bool) -> Callable:
+    """:func:`_chunk_softmax_backward` bound and compiled like :func:`_chunk_kernel`'s forward
+    (``table_grads``: it computes gradients of score_mod tables, see :func:`_inductor_options`)."""
+    options = dict(mod=get_score_mod(score_mod) if score_mod else None, use_qk=use_qk, scale=scale,
+                   out_scale=out_scale, causal=causal, dropout=dropout_p > 0)
+    key = ("softmax backward", score_mod, dtype, use_qk, scale, out_scale, causal, dropout_p > 0, table_grads)
+    inductor_options = _inductor_options(score_mod) if table_grads else {}
+    return functools.partial(_compiled(_chunk_softmax_backward, key, options, head_widths, inductor_options),
+                             dropout_p=torch.tensor(dropout_p, dtype=torch.float64))
+
+
+def _compiled(fn: Callable, key: tuple, options: dict, head_widths: tuple[int, int], inductor_options: dict) -> Callable:
+    """``fn`` with ``options`` bound, compiled once per ``key`` (or eager: see :func:`_chunk_kernel`)."""
     if not COMPILE_CHUNKS or min(head_widths) < 2:
-        return functools.partial(_chunk_attention, dropout_p=p, **options)
-    key = (score_mod, dtype, use_qk, activation, scale, out_scale, causal, dropout_p > 0)
-    fn = _COMPILED_CHUNKS.get(key)
-    if fn is None:
-        code = _chunk_attention.__code__
-        own = types.FunctionType(code.replace(co_name=f"{code.co_name}_{len(_COMPILED_CHUNKS)}"),
-                                 _chunk_attention.__globals__, code.co_name)
+        return functools.partial(fn, **options)
+    compiled = _COMPILED_CHUNKS.get(key)
+    if compiled is None:
+        code = fn.__code__
+        own = types.FunctionType(code.replace(co_name=f"{code.co_name}_{len(_COMPILED_CHUNKS)}"), fn.__globals__,
+                                 code.co_name)
         own.__kwdefaults__ = options
-        fn = _COMPILED_CHUNKS[key] = _CompiledChunk(torch.compile(own, dynamic=True, options=_inductor_options(score_mod)),
-                                                    functools.partial(_chunk_attention, **options), key)
-    return functools.partial(fn, dropout_p=p)
+        compiled = _COMPILED_CHUNKS[key] = _CompiledChunk(torch.compile(own, dynamic=True, options=inductor_options),
+                                                          functools.partial(fn, **options), key)
+    return compiled
 
 
 class _CompiledChunk:
@@ -132,7 +256,9 @@ def _inductor_options(score_mod: str) -> dict:
     compiled backward, fails to compile on some dynamic shapes (a one-entry table) and, on others
     (2 rows of 7 tokens, 3 heads of width 1: the hypothesis case of
     ``test_hstu_attention_matches_padded_model``, seed 2), corrupts the heap; scalar code is
-    exact. Kernels with a score_mod are compiled without vectorisation (~15 % slower steps)."""
+    exact. Kernels that differentiate a score_mod (the autograd chunk of SiLU / identity attention,
+    the softmax backward when tables have gradients) are compiled without vectorisation (~15 %
+    slower steps); forwards gather from tables but scatter nothing, and are vectorised."""
     return {"cpp.simdlen": 1} if score_mod else {}
 
 

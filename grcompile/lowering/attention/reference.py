@@ -1,14 +1,15 @@
 """The reference forward and backward of ``grcompile::jagged_attention`` (CPU, and the fallback of
 every device without a kernel): rows bucketed (:mod:`.buckets`), each chunk computed by
-:mod:`.chunks`; the backward recomputes each chunk under a local autograd tape."""
+:mod:`.chunks`. The softmax backward is analytic per chunk (:func:`_softmax_backward`); SiLU and
+identity attention recompute each chunk under a local autograd tape."""
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
 from .buckets import _chunks
-from .chunks import _chunk_kernel, _compile_errors, _CompiledChunk
+from .chunks import (_autograd_reenabled, _chunk_backward_kernel, _chunk_kernel, _compile_errors, _CompiledChunk,
+                     mask_limits, mask_positions)
+from .dropout import dropout_rows
 from .validation import _check_dropout, _check_meta, _check_values
 
 
@@ -32,28 +33,20 @@ def _attention_reference(q, k, v, offsets, positions, q_side, k_side, tables, se
     kernel = _chunk_kernel(score_mod, dtype=cdtype, use_qk=use_qk, activation=activation, scale=scale,
                            out_scale=out_scale, causal=causal, dropout_p=dropout_p,
                            head_widths=(q.shape[2], v.shape[2]))
+    mask_pos = mask_positions(positions, max_len)
     with torch.no_grad():
         for qi, qv, ki, kv in _chunks(offs, H, causal, q.device):
             o = kernel(_gather_heads(q, qi, cdtype), _gather_heads(k, ki, cdtype), _gather_heads(v, ki, cdtype),
-                       positions[qi], positions[ki], kv, [t[qi] for t in q_side], [t[ki] for t in k_side], tables,
-                       qi, ki, seed)
+                       positions[qi], positions[ki], *mask_limits(mask_pos, qi, ki, kv),
+                       [t[qi] for t in q_side], [t[ki] for t in k_side], tables, _drop_rows(seed, qi, H, dropout_p),
+                       ki)
             out.index_copy_(0, qi[qv], o.transpose(1, 2)[qv].to(q.dtype))
     return out
 
 
-@contextlib.contextmanager
-def _autograd_reenabled():
-    """Re-enable autograd inside a custom op's implementation.
-
-    A custom op's kernel runs below the Autograd dispatch key (the autograd keys sit in the
-    thread-local exclude set), so ``torch.enable_grad()`` alone records nothing. The backward
-    recomputation needs a local tape: drop the autograd keys from the exclude set for its scope."""
-    C, DK = torch._C, torch._C.DispatchKey
-    include, exclude = C._dispatch_tls_local_include_set(), C._dispatch_tls_local_exclude_set()
-    for key in (DK.AutogradFunctionality, DK.AutogradOther, DK.AutogradNestedTensor):
-        exclude = exclude.remove(key)
-    with C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
-        yield
+def _drop_rows(seed: torch.Tensor | None, q_index: torch.Tensor, heads: int, dropout_p: float) -> torch.Tensor:
+    """The dropout hash's per-query half for a chunk (a placeholder without dropout)."""
+    return dropout_rows(seed, q_index, heads) if dropout_p > 0 else q_index
 
 
 def _grad_placeholder(t: torch.Tensor) -> torch.Tensor:
@@ -72,7 +65,8 @@ def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side,
     d_tables = [torch.zeros_like(t) if t.is_floating_point() else _grad_placeholder(t) for t in tables]
     kernel = _chunk_kernel(score_mod, dtype=cdtype, use_qk=use_qk, activation=activation, scale=scale,
                            out_scale=out_scale, causal=causal, dropout_p=dropout_p,
-                           head_widths=(q.shape[2], v.shape[2]))
+                           head_widths=(q.shape[2], v.shape[2]), autograd=True)
+    mask_pos = mask_positions(positions, max_len)
 
     def chunk_grads(qi, qv, ki, kv):
         with _autograd_reenabled():
@@ -81,11 +75,16 @@ def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side,
             vb = _gather_heads(v, ki, cdtype).detach().requires_grad_()
             qs = [t[qi].detach().requires_grad_(t.is_floating_point()) for t in q_side]
             ks = [t[ki].detach().requires_grad_(t.is_floating_point()) for t in k_side]
-            o = kernel(qb, kb, vb, positions[qi], positions[ki], kv, qs, ks, table_leaves, qi, ki, seed)
+            o = kernel(qb, kb, vb, positions[qi], positions[ki], *mask_limits(mask_pos, qi, ki, kv), qs, ks,
+                       table_leaves, _drop_rows(seed, qi, H, dropout_p), ki)
             go = torch.where(qv[:, :, None, None], grad_out[qi].to(cdtype), 0.0).transpose(1, 2)
             leaves = [x for x in [qb, kb, vb, *qs, *ks, *table_leaves] if x.requires_grad]
             return iter(torch.autograd.grad(o, leaves, go, allow_unused=True))
 
+    if activation == "softmax":
+        return _softmax_backward(grad_out, q, k, v, offs, positions, q_side, k_side, tables, seed, score_mod=score_mod,
+                                 use_qk=use_qk, scale=scale, out_scale=out_scale, causal=causal, max_len=max_len,
+                                 dropout_p=dropout_p, grads=(dq, dk, dv, d_qs, d_ks, d_tables))
     for qi, qv, ki, kv in _chunks(offs, H, causal, q.device):
         try:
             grads = chunk_grads(qi, qv, ki, kv)
@@ -118,4 +117,39 @@ def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side,
                 g = next(grads)
                 if g is not None:
                     acc += g.to(acc.dtype)
+    return dq, dk, dv, d_qs, d_ks, d_tables
+
+
+def _softmax_backward(grad_out, q, k, v, offs, positions, q_side, k_side, tables, seed, *, score_mod, use_qk, scale,
+                      out_scale, causal, max_len, dropout_p, grads):
+    """The backward of a softmax attention: the analytic chunk backward
+    (:func:`.chunks._chunk_softmax_backward`), no autograd tape. ``grads``: the zeroed
+    accumulators ``(dq, dk, dv, d_q_sides, d_k_sides, d_tables)``, filled and returned."""
+    dq, dk, dv, d_qs, d_ks, d_tables = grads
+    H = q.shape[1]
+    cdtype = _compute_dtype(q.dtype)
+    kernel = _chunk_backward_kernel(score_mod, dtype=cdtype, use_qk=use_qk, scale=scale, out_scale=out_scale,
+                                    causal=causal, dropout_p=dropout_p, head_widths=(q.shape[2], v.shape[2]),
+                                    table_grads=any(t.is_floating_point() for t in tables))
+    mask_pos = mask_positions(positions, max_len)
+    float_tables = [t.detach() for t in tables]
+    for qi, qv, ki, kv in _chunks(offs, H, causal, q.device):
+        go = torch.where(qv[:, :, None, None], grad_out[qi].to(cdtype), 0.0).transpose(1, 2)
+        d_qb, d_kb, d_vb, side_grads = kernel(
+            _gather_heads(q, qi, cdtype), _gather_heads(k, ki, cdtype), _gather_heads(v, ki, cdtype), positions[qi],
+            positions[ki], *mask_limits(mask_pos, qi, ki, kv), [t[qi] for t in q_side], [t[ki] for t in k_side],
+            float_tables, _drop_rows(seed, qi, H, dropout_p), ki, grad_out=go)
+        qvalid, kvalid = qi[qv], ki[kv]
+        if use_qk:
+            dq.index_add_(0, qvalid, d_qb.transpose(1, 2)[qv].to(dq.dtype))
+            dk.index_add_(0, kvalid, d_kb.transpose(1, 2)[kv].to(dk.dtype))
+        dv.index_add_(0, kvalid, d_vb.transpose(1, 2)[kv].to(dv.dtype))
+        side_grads = iter(side_grads)
+        for accs, tensors, index, valid in ((d_qs, q_side, qvalid, qv), (d_ks, k_side, kvalid, kv)):
+            for acc, t in zip(accs, tensors):
+                if t.is_floating_point():
+                    acc.index_add_(0, index, next(side_grads)[valid].to(acc.dtype))
+        for acc, t in zip(d_tables, tables):
+            if t.is_floating_point():
+                acc += next(side_grads).to(acc.dtype)
     return dq, dk, dv, d_qs, d_ks, d_tables

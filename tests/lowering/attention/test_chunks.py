@@ -1,0 +1,92 @@
+"""One chunk of the CPU reference (grcompile/lowering/attention/chunks.py): the analytic softmax
+backward equals autograd through the chunk's forward, eager and inductor-compiled; the float mask
+limits equal the int64 mask they replace."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grcompile.lowering.attention import chunks
+from grcompile.lowering.attention.dropout import dropout_rows
+from grcompile.lowering.score_mod import register_score_mod
+
+F64 = torch.float64
+
+
+def _chunk_inputs(seed: int, n: int, H: int, Lq: int, Lk: int, dtype: torch.dtype):
+    """Random chunk tensors; row 0 has no valid key (a dead row), the others a random valid prefix."""
+    g = torch.Generator().manual_seed(seed)
+    qb, kb = (torch.randn(n, H, L, 3, generator=g, dtype=dtype) for L in (Lq, Lk))
+    vb = torch.randn(n, H, Lk, 4, generator=g, dtype=dtype)
+    k_pos = torch.arange(Lk).expand(n, Lk).contiguous()
+    q_pos = torch.randint(0, Lk, (n, Lq), generator=g)
+    k_valid = torch.arange(Lk)[None] < torch.randint(1, Lk + 1, (n, 1), generator=g)
+    k_valid[0] = False
+    mask_pos = chunks.mask_positions(torch.arange(max(Lq, Lk)), max(Lq, Lk))
+    q_lim, k_lim = mask_pos[q_pos], torch.where(k_valid, mask_pos[k_pos], float("inf"))
+    q_tok = torch.randint(0, 10**6, (n, Lq), generator=g)
+    k_tok = torch.randint(0, 10**6, (n, Lk), generator=g)
+    return qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_tok, k_tok, torch.randn(n, H, Lq, 4, generator=g, dtype=dtype)
+
+
+def _bias(score, q_pos, k_pos, q_bucket, k_weight, table):
+    """A score_mod reading a table (relative position), a float key side tensor and an int query side."""
+    return score + table[(q_pos - k_pos).clamp(0, 7)] * k_weight + (q_bucket % 3) * 0.25
+
+
+BIAS = register_score_mod(_bias, name="test_chunk_bias", kind="score")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("causal,use_qk,out_scale,p,score_mod", [
+    (True, True, 1.0, 0.0, ""), (True, True, 0.5, 0.3, ""), (False, True, 1.0, 0.2, ""), (False, False, 2.0, 0.0, ""),
+    (True, False, 1.0, 0.4, ""), (True, True, 1.0, 0.3, BIAS), (False, False, 0.5, 0.0, BIAS)])
+def test_softmax_backward_equals_autograd(compiled: bool, causal: bool, use_qk: bool, out_scale: float,
+                                          p: float, score_mod: str) -> None:
+    """The analytic softmax backward (and the score_mod's VJP: side and table gradients) == autograd
+    through the forward chunk; a dead row (no valid key) gets zero, finite gradients."""
+    dtype = torch.float32 if compiled else F64
+    old = chunks.COMPILE_CHUNKS
+    chunks.COMPILE_CHUNKS = compiled
+    try:
+        for seed, (n, H, Lq, Lk) in enumerate([(2, 2, 5, 7), (3, 2, 9, 9), (2, 3, 16, 17)]):
+            qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_tok, k_tok, go = _chunk_inputs(seed, n, H, Lq, Lk, dtype)
+            rows = dropout_rows(torch.tensor([seed + 11]), q_tok, H) if p else q_tok
+            q_sides = [q_tok % 5] if score_mod else []
+            k_sides = [torch.rand(n, Lk, dtype=dtype)] if score_mod else []
+            tables = [torch.randn(8, dtype=dtype)] if score_mod else []
+            opts = dict(dtype=dtype, use_qk=use_qk, scale=0.7, out_scale=out_scale, causal=causal, dropout_p=p,
+                        head_widths=(3, 4))
+            forward = chunks._chunk_kernel(score_mod, activation="softmax", autograd=True, **opts)
+            leaves = [t.clone().requires_grad_(True) for t in (qb, kb, vb, *k_sides, *tables)]
+            qkv, floats = leaves[:3], leaves[3:]
+            out = forward(*qkv, q_pos, k_pos, q_lim, k_lim, q_sides, floats[:len(k_sides)], floats[len(k_sides):],
+                          rows, k_tok)
+            want = torch.autograd.grad(out, (qkv if use_qk else qkv[2:]) + floats, go)
+            backward = chunks._chunk_backward_kernel(score_mod, table_grads=bool(tables), **opts)
+            dq, dk, dv, side_grads = backward(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, tables, rows,
+                                              k_tok, grad_out=go)
+            got = ([dq, dk] if use_qk else []) + [dv] + list(side_grads)
+            if not use_qk:
+                assert dq is None and dk is None
+            assert len(got) == len(want)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b)
+                assert torch.isfinite(a).all()
+    finally:
+        chunks.COMPILE_CHUNKS = old
+
+
+def test_mask_limits_equal_the_integer_mask() -> None:
+    """allowed = k_lim <= q_lim (causal) / k_lim < inf equals k_valid & (k_pos <= q_pos) / k_valid,
+    also for positions past 2²⁴ (float64 limits)."""
+    for max_len in (50, (1 << 24) + 100):
+        g = torch.Generator().manual_seed(max_len % 97)
+        positions = torch.randint(max_len - 40, max_len, (30,), generator=g)
+        q_index, k_index = torch.randint(0, 30, (2, 6), generator=g), torch.randint(0, 30, (2, 9), generator=g)
+        k_valid = torch.rand(2, 9, generator=g) < 0.7
+        q_lim, k_lim = chunks.mask_limits(chunks.mask_positions(positions, max_len), q_index, k_index, k_valid)
+        qp, kp = positions[q_index][:, None, :, None], positions[k_index][:, None, None, :]
+        assert torch.equal(chunks._allowed(q_lim, k_lim, True), k_valid[:, None, None, :] & (kp <= qp))
+        assert torch.equal(chunks._allowed(q_lim, k_lim, False).expand(2, 1, 6, 9),
+                           k_valid[:, None, None, :].expand(2, 1, 6, 9))
