@@ -86,7 +86,7 @@ def _chunk_softmax_backward(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_s
     if dropout:
         a = torch.where(dropout_keep_rows(drop_rows, k_tok, dropout_p), a / (1.0 - dropout_p), 0.0)
     dv = torch.matmul(a.transpose(-2, -1), grad_out)
-    if not use_qk and not differentiable:
+    if not use_qk and (mod is None or not differentiable):
         return None, None, dv, []
     a_g = a * torch.matmul(grad_out, vb.transpose(-2, -1))
     d_s = a_g - p * a_g.sum(dim=-1, keepdim=True)
@@ -112,6 +112,8 @@ def _vjp(fn: Callable, *primals: torch.Tensor) -> tuple[torch.Tensor, Callable]:
         out = fn(*leaves)
 
     def vjp_fn(cotangent: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not out.requires_grad:  # the score_mod reads none of them (torch.func.vjp: zeros too)
+            return tuple(torch.zeros_like(t) for t in leaves)
         with _autograd_reenabled():
             return torch.autograd.grad(out, leaves, cotangent, allow_unused=True, materialize_grads=True)
     return out.detach(), vjp_fn
@@ -147,7 +149,7 @@ def _allowed(q_lim: torch.Tensor, k_lim: torch.Tensor, causal: bool) -> torch.Te
 def _masked_softmax(s: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """Softmax over the allowed keys; exactly 0 elsewhere and on a query with no allowed key."""
     s = torch.where(allowed, s, float("-inf"))
-    live = s.amax(dim=-1, keepdim=True) > float("-inf")
+    live = s.amax(dim=-1, keepdim=True) != float("-inf")  # NaN stays live: it propagates as in eager
     a = torch.softmax(torch.where(live, s, 0.0), dim=-1)
     return torch.where(live & allowed, a, 0.0)
 

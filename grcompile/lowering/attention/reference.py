@@ -53,16 +53,39 @@ def _grad_placeholder(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.float32, device=t.device)
 
 
+def _accumulator(t: torch.Tensor) -> torch.Tensor:
+    """A zeroed gradient accumulator for ``t``: float32 for half-precision tensors (a key's gradient
+    sums over every chunk that reads it: one rounding to bf16 at the end, not one per chunk)."""
+    return torch.zeros_like(t, dtype=_compute_dtype(t.dtype)) if t.is_floating_point() else _grad_placeholder(t)
+
+
 def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed=None, *,
                                   score_mod, use_qk, activation, scale, out_scale, causal, max_len, dropout_p=0.0):
-    H = q.shape[1]
     offs = offsets.tolist()
+    dq, dk, dv = _accumulator(q), _accumulator(k), _accumulator(v)
+    d_qs, d_ks, d_tables = ([_accumulator(t) for t in group] for group in (q_side, k_side, tables))
+    grads = (dq, dk, dv, d_qs, d_ks, d_tables)
+    kwargs = dict(score_mod=score_mod, use_qk=use_qk, scale=scale, out_scale=out_scale, causal=causal,
+                  max_len=max_len, dropout_p=dropout_p)
+    if activation == "softmax":
+        _softmax_backward(grad_out, q, k, v, offs, positions, q_side, k_side, tables, seed, grads=grads, **kwargs)
+    else:
+        _autograd_backward(grad_out, q, k, v, offs, positions, q_side, k_side, tables, seed, grads=grads,
+                           activation=activation, **kwargs)
+    dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    d_qs, d_ks, d_tables = ([g.to(t.dtype) if t.is_floating_point() else g for g, t in zip(gs, ts)]
+                            for gs, ts in ((d_qs, q_side), (d_ks, k_side), (d_tables, tables)))
+    return dq, dk, dv, d_qs, d_ks, d_tables
+
+
+def _autograd_backward(grad_out, q, k, v, offs, positions, q_side, k_side, tables, seed, *, grads, score_mod, use_qk,
+                       activation, scale, out_scale, causal, max_len, dropout_p) -> None:
+    """The backward of SiLU / identity attention: each chunk recomputed under a local autograd tape
+    and differentiated by ``torch.autograd.grad``; adds into the accumulators ``grads``."""
+    dq, dk, dv, d_qs, d_ks, d_tables = grads
+    H = q.shape[1]
     cdtype = _compute_dtype(q.dtype)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    d_qs = [torch.zeros_like(t) if t.is_floating_point() else _grad_placeholder(t) for t in q_side]
-    d_ks = [torch.zeros_like(t) if t.is_floating_point() else _grad_placeholder(t) for t in k_side]
     table_leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tables]
-    d_tables = [torch.zeros_like(t) if t.is_floating_point() else _grad_placeholder(t) for t in tables]
     kernel = _chunk_kernel(score_mod, dtype=cdtype, use_qk=use_qk, activation=activation, scale=scale,
                            out_scale=out_scale, causal=causal, dropout_p=dropout_p,
                            head_widths=(q.shape[2], v.shape[2]), autograd=True)
@@ -81,22 +104,18 @@ def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side,
             leaves = [x for x in [qb, kb, vb, *qs, *ks, *table_leaves] if x.requires_grad]
             return iter(torch.autograd.grad(o, leaves, go, allow_unused=True))
 
-    if activation == "softmax":
-        return _softmax_backward(grad_out, q, k, v, offs, positions, q_side, k_side, tables, seed, score_mod=score_mod,
-                                 use_qk=use_qk, scale=scale, out_scale=out_scale, causal=causal, max_len=max_len,
-                                 dropout_p=dropout_p, grads=(dq, dk, dv, d_qs, d_ks, d_tables))
     for qi, qv, ki, kv in _chunks(offs, H, causal, q.device):
         try:
-            grads = chunk_grads(qi, qv, ki, kv)
+            chunk = chunk_grads(qi, qv, ki, kv)
         except _compile_errors() as error:  # the compiled backward is built lazily, here
             if not isinstance(kernel.func, _CompiledChunk):
                 raise
             kernel.func.give_up(error)
-            grads = chunk_grads(qi, qv, ki, kv)
+            chunk = chunk_grads(qi, qv, ki, kv)
         qvalid, kvalid = qi[qv], ki[kv]
 
         def put(acc, index, valid_mask, heads: bool):
-            g = next(grads)
+            g = next(chunk)
             if g is None:
                 return
             g = g.transpose(1, 2) if heads else g
@@ -114,37 +133,38 @@ def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side,
                 put(acc, kvalid, kv, False)
         for acc, t in zip(d_tables, tables):
             if t.is_floating_point():
-                g = next(grads)
+                g = next(chunk)
                 if g is not None:
                     acc += g.to(acc.dtype)
-    return dq, dk, dv, d_qs, d_ks, d_tables
 
 
-def _softmax_backward(grad_out, q, k, v, offs, positions, q_side, k_side, tables, seed, *, score_mod, use_qk, scale,
-                      out_scale, causal, max_len, dropout_p, grads):
+def _softmax_backward(grad_out, q, k, v, offs, positions, q_side, k_side, tables, seed, *, grads, score_mod, use_qk,
+                      scale, out_scale, causal, max_len, dropout_p) -> None:
     """The backward of a softmax attention: the analytic chunk backward
-    (:func:`.chunks._chunk_softmax_backward`), no autograd tape. ``grads``: the zeroed
-    accumulators ``(dq, dk, dv, d_q_sides, d_k_sides, d_tables)``, filled and returned."""
+    (:func:`.chunks._chunk_softmax_backward`), no autograd tape; adds into the accumulators
+    ``grads``. Without a score_mod, side tensors and tables are read by nothing: no gradient."""
     dq, dk, dv, d_qs, d_ks, d_tables = grads
     H = q.shape[1]
     cdtype = _compute_dtype(q.dtype)
     kernel = _chunk_backward_kernel(score_mod, dtype=cdtype, use_qk=use_qk, scale=scale, out_scale=out_scale,
                                     causal=causal, dropout_p=dropout_p, head_widths=(q.shape[2], v.shape[2]),
-                                    table_grads=any(t.is_floating_point() for t in tables))
+                                    table_grads=bool(score_mod) and any(t.is_floating_point() for t in tables))
     mask_pos = mask_positions(positions, max_len)
-    float_tables = [t.detach() for t in tables]
+    table_values = [t.detach() for t in tables]
     for qi, qv, ki, kv in _chunks(offs, H, causal, q.device):
         go = torch.where(qv[:, :, None, None], grad_out[qi].to(cdtype), 0.0).transpose(1, 2)
         d_qb, d_kb, d_vb, side_grads = kernel(
             _gather_heads(q, qi, cdtype), _gather_heads(k, ki, cdtype), _gather_heads(v, ki, cdtype), positions[qi],
             positions[ki], *mask_limits(mask_pos, qi, ki, kv), [t[qi] for t in q_side], [t[ki] for t in k_side],
-            float_tables, _drop_rows(seed, qi, H, dropout_p), ki, grad_out=go)
+            table_values, _drop_rows(seed, qi, H, dropout_p), ki, grad_out=go)
         qvalid, kvalid = qi[qv], ki[kv]
         if use_qk:
             dq.index_add_(0, qvalid, d_qb.transpose(1, 2)[qv].to(dq.dtype))
             dk.index_add_(0, kvalid, d_kb.transpose(1, 2)[kv].to(dk.dtype))
         dv.index_add_(0, kvalid, d_vb.transpose(1, 2)[kv].to(dv.dtype))
-        side_grads = iter(side_grads)
+        if not score_mod:
+            continue
+        side_grads = iter(side_grads)  # q sides, k sides, tables: the floating ones, in that order
         for accs, tensors, index, valid in ((d_qs, q_side, qvalid, qv), (d_ks, k_side, kvalid, kv)):
             for acc, t in zip(accs, tensors):
                 if t.is_floating_point():
@@ -152,4 +172,3 @@ def _softmax_backward(grad_out, q, k, v, offs, positions, q_side, k_side, tables
         for acc, t in zip(d_tables, tables):
             if t.is_floating_point():
                 acc += next(side_grads).to(acc.dtype)
-    return dq, dk, dv, d_qs, d_ks, d_tables

@@ -90,3 +90,70 @@ def test_mask_limits_equal_the_integer_mask() -> None:
         assert torch.equal(chunks._allowed(q_lim, k_lim, True), k_valid[:, None, None, :] & (kp <= qp))
         assert torch.equal(chunks._allowed(q_lim, k_lim, False).expand(2, 1, 6, 9),
                            k_valid[:, None, None, :].expand(2, 1, 6, 9))
+
+
+def _op(q, k, v, offsets, positions, q_side=(), k_side=(), tables=(), score_mod="", use_qk=True):
+    return torch.ops.grcompile.jagged_attention(
+        q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), None, score_mod=score_mod,
+        use_qk=use_qk, activation="softmax", scale=0.5, out_scale=1.0, causal=True, max_len=64)
+
+
+def test_nan_score_propagates_like_eager() -> None:
+    """A NaN key reaches every query that attends to it (as eager's softmax does), not a silent 0."""
+    q, k, v = (torch.randn(4, 2, 3, dtype=F64) for _ in range(3))
+    k[1] = float("nan")
+    out = _op(q, k, v, torch.tensor([0, 4]), torch.arange(4))
+    assert torch.isfinite(out[0]).all() and torch.isnan(out[1:]).all()
+
+
+def _ignores_score(score, q_pos, k_pos):
+    return (q_pos - k_pos) * -0.1
+
+
+IGNORES_SCORE = register_score_mod(_ignores_score, name="test_ignores_score", kind="score")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_backward_with_unused_sides_and_a_bias_of_positions_only(compiled: bool) -> None:
+    """Float side tensors and tables without a score_mod get zero gradients; a score_mod that reads
+    neither the score nor a float input has a zero VJP (eager: no autograd graph to differentiate)."""
+    dtype = torch.float32 if compiled else F64
+    old = chunks.COMPILE_CHUNKS
+    chunks.COMPILE_CHUNKS = compiled
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(7, 2, 3, generator=g, dtype=dtype).requires_grad_() for _ in range(3))
+        offsets, positions = torch.tensor([0, 3, 7]), torch.tensor([0, 1, 2, 0, 1, 2, 3])
+        side = torch.rand(7, dtype=dtype, requires_grad=True)
+        table = torch.rand(5, dtype=dtype, requires_grad=True)
+        out = _op(q, k, v, offsets, positions, q_side=[side], k_side=[side], tables=[table])
+        grads = torch.autograd.grad(out.sum(), [q, k, v, side, table], allow_unused=True, materialize_grads=True)
+        assert (grads[3] == 0).all() and (grads[4] == 0).all() and grads[2].abs().sum() > 0
+        out = _op(q, k, v, offsets, positions, score_mod=IGNORES_SCORE)
+        dq, dk, dv = torch.autograd.grad(out.sum(), [q, k, v])
+        assert (dq == 0).all() and (dk == 0).all() and dv.abs().sum() > 0
+    finally:
+        chunks.COMPILE_CHUNKS = old
+
+
+def test_half_precision_gradients_accumulate_in_float32() -> None:
+    """A key read by several causal query blocks gets its gradient summed in float32 and rounded to
+    bf16 once: as close to the float64 result as one bf16 rounding allows."""
+    from grcompile.lowering.attention import buckets
+
+    g = torch.Generator().manual_seed(1)
+    T = 64
+    q, k, v = (torch.randn(T, 2, 4, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    offsets, positions = torch.tensor([0, T]), torch.arange(T)
+    go = torch.randn(T, 2, 4, generator=g).to(torch.bfloat16)
+    old = buckets.CAUSAL_Q_BLOCK
+    buckets.CAUSAL_Q_BLOCK = 4  # 16 query blocks: the first keys are read by all of them
+    try:
+        got = torch.autograd.grad(_op(q, k, v, offsets, positions), [q, k, v], go)
+    finally:
+        buckets.CAUSAL_Q_BLOCK = old
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(_op(*leaves, offsets, torch.arange(T)).to(torch.float64), leaves, go.double())
+    for a, b in zip(got, want):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.double(), b, rtol=2 ** -7, atol=1e-3)
