@@ -37,10 +37,9 @@ Padded slots repeat the row's last real token, so a score_mod only ever sees rea
 (never multiplied), so nothing non-finite leaks.
 
 Autograd is flash-like: the forward saves only its inputs; ``grcompile::jagged_attention_backward``
-recomputes each chunk — analytically for the softmax (the score_mod's gradient by its VJP), under
-``enable_grad`` with ``torch.autograd.grad`` for SiLU / identity — returning gradients for q, k, v
-and every floating side tensor and table (integer ones get ``None``), accumulated in float32 for
-half-precision inputs.
+recomputes each chunk and differentiates it analytically (the score_mod by its VJP), returning
+gradients for q, k, v and every floating side tensor and table (integer ones get ``None``),
+accumulated in float32 for half-precision inputs.
 
 Kernels: ``triton`` (:mod:`grcompile.lowering.attention.triton`: CUDA, or CPU tensors under ``TRITON_INTERPRET=1``
 with ``GRCOMPILE_BACKEND=triton``) generates the score_mod into the kernel; a call it cannot run

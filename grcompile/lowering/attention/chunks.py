@@ -54,16 +54,17 @@ def _chunk_attention(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, t
     return torch.matmul(a, vb)
 
 
-def _chunk_softmax_backward(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, tables, drop_rows, k_tok,
-                            dropout_p, grad_out, *, mod, use_qk, scale, out_scale, causal, dropout):
-    """The analytic backward of :func:`_chunk_attention` with a softmax: ``grad_out [n, H, Lq, dv]``
+def _chunk_backward(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, tables, drop_rows, k_tok,
+                    dropout_p, grad_out, *, mod, use_qk, activation, scale, out_scale, causal, dropout):
+    """The analytic backward of :func:`_chunk_attention`: ``grad_out [n, H, Lq, dv]``
     -> ``(dq, dk, dv, grads)``, ``dq``/``dk`` None unless ``use_qk``, ``grads`` those of the
     floating ``q_sides``, ``k_sides`` and ``tables`` in that order (what the score_mod reads).
 
     Recomputes the probabilities P (no activation is stored); with ``A = P∘keep/(1 − p)·out_scale``
     the matrix the forward multiplied by v and ``G = dO·vᵀ``: ``dv = Aᵀ·dO`` and
     ``dS = A∘G − P·Σⱼ A∘G`` (the softmax backward with the dropout and the output scale folded in,
-    so the dropout hash runs once, for A). The score_mod's own backward is its vector-Jacobian
+    so the dropout hash runs once, for A); for SiLU / identity ``dS = (G∘keep/(1 − p)·out_scale)·act'(S)``
+    on the mask, 0 off it. The score_mod's own backward is its vector-Jacobian
     product (``torch.func.vjp``, traced into the same graph): it turns ``dS`` into the gradient of
     the raw scores and those of the side tensors and tables. Five matmuls and one fused pass over
     the scores, where autograd through the compiled forward recomputed the forward, stored its
@@ -80,25 +81,44 @@ def _chunk_softmax_backward(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_s
             return mod(raw, q_pos[:, None, :, None], k_pos[:, None, None, :], tuple(t[:, None, :, None] for t in qs),
                        tuple(t[:, None, None, :] for t in ks), tuple(tabs), heads=vb.shape[1]).to(vb.dtype)
         s, mod_vjp = _vjp(modded, s_raw, *differentiable)
-    p = _masked_softmax(s, _allowed(q_lim, k_lim, causal))  # exactly 0 off the mask and on dead rows
-    p = p.expand(vb.shape[0], vb.shape[1], q_lim.shape[1], k_lim.shape[1])  # [n, 1, ...] when not use_qk
-    a = p * out_scale if out_scale != 1.0 else p
-    if dropout:
-        a = torch.where(dropout_keep_rows(drop_rows, k_tok, dropout_p), a / (1.0 - dropout_p), 0.0)
+    full = (vb.shape[0], vb.shape[1], q_lim.shape[1], k_lim.shape[1])  # s is [n, 1, ...] when not use_qk
+    allowed = _allowed(q_lim, k_lim, causal)
+    keep = dropout_keep_rows(drop_rows, k_tok, dropout_p) if dropout else None
+    if activation == "softmax":
+        p = _masked_softmax(s, allowed).expand(full)  # exactly 0 off the mask and on dead rows
+        a = _scale_and_drop(p, keep, dropout_p, out_scale)
+    else:  # as the forward: masked by where (a non-finite score off the mask never reaches a product)
+        a = _scale_and_drop(torch.where(allowed, torch.nn.functional.silu(s) if activation == "silu" else s, 0.0),
+                            keep, dropout_p, out_scale).expand(full)
     dv = torch.matmul(a.transpose(-2, -1), grad_out)
     if not use_qk and (mod is None or not differentiable):
         return None, None, dv, []
-    a_g = a * torch.matmul(grad_out, vb.transpose(-2, -1))
-    d_s = a_g - p * a_g.sum(dim=-1, keepdim=True)
+    g = torch.matmul(grad_out, vb.transpose(-2, -1))
+    if activation == "softmax":
+        a_g = a * g
+        d_s = a_g - p * a_g.sum(dim=-1, keepdim=True)
+    else:
+        d_a = _scale_and_drop(g, keep, dropout_p, out_scale)
+        if activation == "silu":
+            sig = torch.sigmoid(s)
+            d_a = d_a * (sig * (1.0 + s * (1.0 - sig)))
+        d_s = torch.where(allowed, d_a, 0.0)
     grads = []
     if mod is not None:
         d_s, *grads = mod_vjp(d_s.sum_to_size(s.shape))
     if not use_qk:
         return None, None, dv, grads
-    d_s = d_s.expand(p.shape)
+    d_s = d_s.expand(full)
     if scale != 1.0:
         d_s = d_s * scale
     return torch.matmul(d_s, kb), torch.matmul(d_s.transpose(-2, -1), qb), dv, grads
+
+
+def _scale_and_drop(x: torch.Tensor, keep: torch.Tensor | None, dropout_p: torch.Tensor, out_scale: float) -> torch.Tensor:
+    """``x`` through the forward's dropout and output scale, in the forward's order."""
+    if keep is not None:
+        x = torch.where(keep, x / (1.0 - dropout_p), 0.0)
+    return x * out_scale if out_scale != 1.0 else x
 
 
 def _vjp(fn: Callable, *primals: torch.Tensor) -> tuple[torch.Tensor, Callable]:
@@ -174,14 +194,11 @@ COMPILE_CHUNKS = os.environ.get("GRCOMPILE_COMPILE_CHUNKS", "1") != "0"
 
 
 def _chunk_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activation: str, scale: float,
-                  out_scale: float, causal: bool, dropout_p: float, head_widths: tuple[int, int],
-                  autograd: bool = False) -> Callable:
+                  out_scale: float, causal: bool, dropout_p: float, head_widths: tuple[int, int]) -> Callable:
     """``_chunk_attention`` with its options (and ``dropout_p``, as a 0-d tensor) bound, compiled by
     inductor once per option set (dynamic shapes): the score_mod, mask and activation become one
     fused loop instead of a dozen eager passes over ``[n, H, Lq, Lk]`` (2x on the HSTU backward at
-    ML-1M size). ``autograd``: the kernel the backward differentiates (activations other than the
-    softmax, whose backward is :func:`_chunk_softmax_backward`); it is compiled apart from the
-    forward's, which never computes a gradient.
+    ML-1M size). It computes no gradient: the backward is :func:`_chunk_backward`, compiled apart.
 
     Each option set gets its own function (a copy of the code object, the options as keyword
     defaults, no ``functools.partial``: Dynamo would trace a wrapper shared by all of them), so
@@ -196,20 +213,20 @@ def _chunk_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activatio
     p = torch.tensor(dropout_p, dtype=torch.float64)
     options = dict(mod=mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
                    dropout=dropout_p > 0)
-    key = (score_mod, dtype, use_qk, activation, scale, out_scale, causal, dropout_p > 0, autograd)
-    inductor_options = _inductor_options(score_mod) if autograd else {}
-    return functools.partial(_compiled(_chunk_attention, key, options, head_widths, inductor_options), dropout_p=p)
+    key = (score_mod, dtype, use_qk, activation, scale, out_scale, causal, dropout_p > 0)
+    return functools.partial(_compiled(_chunk_attention, key, options, head_widths, {}), dropout_p=p)
 
 
-def _chunk_backward_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, scale: float, out_scale: float,
-                           causal: bool, dropout_p: float, head_widths: tuple[int, int], table_grads: bool) -> Callable:
-    """:func:`_chunk_softmax_backward` bound and compiled like :func:`_chunk_kernel`'s forward
+def _chunk_backward_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activation: str, scale: float,
+                           out_scale: float, causal: bool, dropout_p: float, head_widths: tuple[int, int],
+                           table_grads: bool) -> Callable:
+    """:func:`_chunk_backward` bound and compiled like :func:`_chunk_kernel`'s forward
     (``table_grads``: it computes gradients of score_mod tables, see :func:`_inductor_options`)."""
-    options = dict(mod=get_score_mod(score_mod) if score_mod else None, use_qk=use_qk, scale=scale,
-                   out_scale=out_scale, causal=causal, dropout=dropout_p > 0)
-    key = ("softmax backward", score_mod, dtype, use_qk, scale, out_scale, causal, dropout_p > 0, table_grads)
+    options = dict(mod=get_score_mod(score_mod) if score_mod else None, use_qk=use_qk, activation=activation,
+                   scale=scale, out_scale=out_scale, causal=causal, dropout=dropout_p > 0)
+    key = ("backward", score_mod, dtype, use_qk, activation, scale, out_scale, causal, dropout_p > 0, table_grads)
     inductor_options = _inductor_options(score_mod) if table_grads else {}
-    return functools.partial(_compiled(_chunk_softmax_backward, key, options, head_widths, inductor_options),
+    return functools.partial(_compiled(_chunk_backward, key, options, head_widths, inductor_options),
                              dropout_p=torch.tensor(dropout_p, dtype=torch.float64))
 
 
@@ -230,8 +247,8 @@ def _compiled(fn: Callable, key: tuple, options: dict, head_widths: tuple[int, i
 
 class _CompiledChunk:
     """A compiled chunk kernel, run without duck sizing. If inductor cannot compile it (an inductor
-    bug on some shape; in the forward call or, lazily, in the backward's ``autograd.grad``), this
-    option set runs the eager chunk from then on, with a warning: same values, slower."""
+    bug on some shape), this option set runs the eager chunk from then on, with a warning: same
+    values, slower."""
 
     def __init__(self, compiled: Callable, eager: Callable, key: tuple) -> None:
         self.compiled, self.eager, self.key, self.failed = compiled, eager, key, False
@@ -258,8 +275,7 @@ def _inductor_options(score_mod: str) -> dict:
     compiled backward, fails to compile on some dynamic shapes (a one-entry table) and, on others
     (2 rows of 7 tokens, 3 heads of width 1: the hypothesis case of
     ``test_hstu_attention_matches_padded_model``, seed 2), corrupts the heap; scalar code is
-    exact. Kernels that differentiate a score_mod (the autograd chunk of SiLU / identity attention,
-    the softmax backward when tables have gradients) are compiled without vectorisation (~15 %
+    exact. Backward kernels that compute table gradients are compiled without vectorisation (~15 %
     slower steps); forwards gather from tables but scatter nothing, and are vectorised."""
     return {"cpp.simdlen": 1} if score_mod else {}
 

@@ -1,14 +1,13 @@
 """The reference forward and backward of ``grcompile::jagged_attention`` (CPU, and the fallback of
 every device without a kernel): rows bucketed (:mod:`.buckets`), each chunk computed by
-:mod:`.chunks`. The softmax backward is analytic per chunk (:func:`_softmax_backward`); SiLU and
-identity attention recompute each chunk under a local autograd tape."""
+:mod:`.chunks`. The backward is analytic per chunk (:func:`_analytic_backward`): each chunk's
+forward recomputed and differentiated by hand, the score_mod by its VJP."""
 from __future__ import annotations
 
 import torch
 
 from .buckets import _chunks
-from .chunks import (_autograd_reenabled, _chunk_backward_kernel, _chunk_kernel, _compile_errors, _CompiledChunk,
-                     mask_limits, mask_positions)
+from .chunks import _autograd_reenabled, _chunk_backward_kernel, _chunk_kernel, mask_limits, mask_positions  # noqa: F401
 from .dropout import dropout_rows
 from .validation import _check_dropout, _check_meta, _check_values
 
@@ -64,90 +63,26 @@ def _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side,
     offs = offsets.tolist()
     dq, dk, dv = _accumulator(q), _accumulator(k), _accumulator(v)
     d_qs, d_ks, d_tables = ([_accumulator(t) for t in group] for group in (q_side, k_side, tables))
-    grads = (dq, dk, dv, d_qs, d_ks, d_tables)
-    kwargs = dict(score_mod=score_mod, use_qk=use_qk, scale=scale, out_scale=out_scale, causal=causal,
-                  max_len=max_len, dropout_p=dropout_p)
-    if activation == "softmax":
-        _softmax_backward(grad_out, q, k, v, offs, positions, q_side, k_side, tables, seed, grads=grads, **kwargs)
-    else:
-        _autograd_backward(grad_out, q, k, v, offs, positions, q_side, k_side, tables, seed, grads=grads,
-                           activation=activation, **kwargs)
+    _analytic_backward(grad_out, q, k, v, offs, positions, q_side, k_side, tables, seed,
+                       grads=(dq, dk, dv, d_qs, d_ks, d_tables), score_mod=score_mod, use_qk=use_qk,
+                       activation=activation, scale=scale, out_scale=out_scale, causal=causal, max_len=max_len,
+                       dropout_p=dropout_p)
     dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     d_qs, d_ks, d_tables = ([g.to(t.dtype) if t.is_floating_point() else g for g, t in zip(gs, ts)]
                             for gs, ts in ((d_qs, q_side), (d_ks, k_side), (d_tables, tables)))
     return dq, dk, dv, d_qs, d_ks, d_tables
 
 
-def _autograd_backward(grad_out, q, k, v, offs, positions, q_side, k_side, tables, seed, *, grads, score_mod, use_qk,
+def _analytic_backward(grad_out, q, k, v, offs, positions, q_side, k_side, tables, seed, *, grads, score_mod, use_qk,
                        activation, scale, out_scale, causal, max_len, dropout_p) -> None:
-    """The backward of SiLU / identity attention: each chunk recomputed under a local autograd tape
-    and differentiated by ``torch.autograd.grad``; adds into the accumulators ``grads``."""
+    """:func:`.chunks._chunk_backward` over every chunk, no autograd tape; adds into the
+    accumulators ``grads``. Without a score_mod, side tensors and tables are read by nothing: no
+    gradient."""
     dq, dk, dv, d_qs, d_ks, d_tables = grads
     H = q.shape[1]
     cdtype = _compute_dtype(q.dtype)
-    table_leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tables]
-    kernel = _chunk_kernel(score_mod, dtype=cdtype, use_qk=use_qk, activation=activation, scale=scale,
-                           out_scale=out_scale, causal=causal, dropout_p=dropout_p,
-                           head_widths=(q.shape[2], v.shape[2]), autograd=True)
-    mask_pos = mask_positions(positions, max_len)
-
-    def chunk_grads(qi, qv, ki, kv):
-        with _autograd_reenabled():
-            qb = _gather_heads(q, qi, cdtype).detach().requires_grad_(use_qk)
-            kb = _gather_heads(k, ki, cdtype).detach().requires_grad_(use_qk)
-            vb = _gather_heads(v, ki, cdtype).detach().requires_grad_()
-            qs = [t[qi].detach().requires_grad_(t.is_floating_point()) for t in q_side]
-            ks = [t[ki].detach().requires_grad_(t.is_floating_point()) for t in k_side]
-            o = kernel(qb, kb, vb, positions[qi], positions[ki], *mask_limits(mask_pos, qi, ki, kv), qs, ks,
-                       table_leaves, _drop_rows(seed, qi, H, dropout_p), ki)
-            go = torch.where(qv[:, :, None, None], grad_out[qi].to(cdtype), 0.0).transpose(1, 2)
-            leaves = [x for x in [qb, kb, vb, *qs, *ks, *table_leaves] if x.requires_grad]
-            return iter(torch.autograd.grad(o, leaves, go, allow_unused=True))
-
-    for qi, qv, ki, kv in _chunks(offs, H, causal, q.device):
-        try:
-            chunk = chunk_grads(qi, qv, ki, kv)
-        except _compile_errors() as error:  # the compiled backward is built lazily, here
-            if not isinstance(kernel.func, _CompiledChunk):
-                raise
-            kernel.func.give_up(error)
-            chunk = chunk_grads(qi, qv, ki, kv)
-        qvalid, kvalid = qi[qv], ki[kv]
-
-        def put(acc, index, valid_mask, heads: bool):
-            g = next(chunk)
-            if g is None:
-                return
-            g = g.transpose(1, 2) if heads else g
-            acc.index_add_(0, index, g[valid_mask].to(acc.dtype))
-
-        if use_qk:
-            put(dq, qvalid, qv, True)
-            put(dk, kvalid, kv, True)
-        put(dv, kvalid, kv, True)
-        for acc, t in zip(d_qs, q_side):
-            if t.is_floating_point():
-                put(acc, qvalid, qv, False)
-        for acc, t in zip(d_ks, k_side):
-            if t.is_floating_point():
-                put(acc, kvalid, kv, False)
-        for acc, t in zip(d_tables, tables):
-            if t.is_floating_point():
-                g = next(chunk)
-                if g is not None:
-                    acc += g.to(acc.dtype)
-
-
-def _softmax_backward(grad_out, q, k, v, offs, positions, q_side, k_side, tables, seed, *, grads, score_mod, use_qk,
-                      scale, out_scale, causal, max_len, dropout_p) -> None:
-    """The backward of a softmax attention: the analytic chunk backward
-    (:func:`.chunks._chunk_softmax_backward`), no autograd tape; adds into the accumulators
-    ``grads``. Without a score_mod, side tensors and tables are read by nothing: no gradient."""
-    dq, dk, dv, d_qs, d_ks, d_tables = grads
-    H = q.shape[1]
-    cdtype = _compute_dtype(q.dtype)
-    kernel = _chunk_backward_kernel(score_mod, dtype=cdtype, use_qk=use_qk, scale=scale, out_scale=out_scale,
-                                    causal=causal, dropout_p=dropout_p, head_widths=(q.shape[2], v.shape[2]),
+    kernel = _chunk_backward_kernel(score_mod, dtype=cdtype, use_qk=use_qk, activation=activation, scale=scale,
+                                    out_scale=out_scale, causal=causal, dropout_p=dropout_p, head_widths=(q.shape[2], v.shape[2]),
                                     table_grads=bool(score_mod) and any(t.is_floating_point() for t in tables))
     mask_pos = mask_positions(positions, max_len)
     table_values = [t.detach() for t in tables]

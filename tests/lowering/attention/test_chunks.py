@@ -3,12 +3,14 @@ backward equals autograd through the chunk's forward, eager and inductor-compile
 limits equal the int64 mask they replace."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from grcompile.lowering.attention import chunks
 from grcompile.lowering.attention.dropout import dropout_rows
-from grcompile.lowering.score_mod import register_score_mod
+from grcompile.lowering.score_mod import get_score_mod, register_score_mod
 
 F64 = torch.float64
 
@@ -38,13 +40,14 @@ BIAS = register_score_mod(_bias, name="test_chunk_bias", kind="score")
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("activation", ["softmax", "silu", "identity"])
 @pytest.mark.parametrize("causal,use_qk,out_scale,p,score_mod", [
     (True, True, 1.0, 0.0, ""), (True, True, 0.5, 0.3, ""), (False, True, 1.0, 0.2, ""), (False, False, 2.0, 0.0, ""),
     (True, False, 1.0, 0.4, ""), (True, True, 1.0, 0.3, BIAS), (False, False, 0.5, 0.0, BIAS)])
-def test_softmax_backward_equals_autograd(compiled: bool, causal: bool, use_qk: bool, out_scale: float,
-                                          p: float, score_mod: str) -> None:
-    """The analytic softmax backward (and the score_mod's VJP: side and table gradients) == autograd
-    through the forward chunk; a dead row (no valid key) gets zero, finite gradients."""
+def test_backward_equals_autograd(compiled: bool, activation: str, causal: bool, use_qk: bool, out_scale: float,
+                                  p: float, score_mod: str) -> None:
+    """The analytic backward (and the score_mod's VJP: side and table gradients) == autograd through
+    the eager forward chunk, for every activation; a dead row (no valid key) gets finite gradients."""
     dtype = torch.float32 if compiled else F64
     old = chunks.COMPILE_CHUNKS
     chunks.COMPILE_CHUNKS = compiled
@@ -57,13 +60,15 @@ def test_softmax_backward_equals_autograd(compiled: bool, causal: bool, use_qk: 
             tables = [torch.randn(8, dtype=dtype)] if score_mod else []
             opts = dict(dtype=dtype, use_qk=use_qk, scale=0.7, out_scale=out_scale, causal=causal, dropout_p=p,
                         head_widths=(3, 4))
-            forward = chunks._chunk_kernel(score_mod, activation="softmax", autograd=True, **opts)
+            forward = functools.partial(chunks._chunk_attention, mod=get_score_mod(score_mod) if score_mod else None,
+                                        activation=activation, use_qk=use_qk, scale=0.7, out_scale=out_scale,
+                                        causal=causal, dropout=p > 0, dropout_p=torch.tensor(p, dtype=F64))
             leaves = [t.clone().requires_grad_(True) for t in (qb, kb, vb, *k_sides, *tables)]
             qkv, floats = leaves[:3], leaves[3:]
             out = forward(*qkv, q_pos, k_pos, q_lim, k_lim, q_sides, floats[:len(k_sides)], floats[len(k_sides):],
                           rows, k_tok)
             want = torch.autograd.grad(out, (qkv if use_qk else qkv[2:]) + floats, go)
-            backward = chunks._chunk_backward_kernel(score_mod, table_grads=bool(tables), **opts)
+            backward = chunks._chunk_backward_kernel(score_mod, activation=activation, table_grads=bool(tables), **opts)
             dq, dk, dv, side_grads = backward(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, tables, rows,
                                               k_tok, grad_out=go)
             got = ([dq, dk] if use_qk else []) + [dv] + list(side_grads)
