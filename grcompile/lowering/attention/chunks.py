@@ -1,5 +1,6 @@
-"""One chunk of the CPU reference, differentiable (the forward runs it, the backward recomputes it
-under ``enable_grad``), and its inductor-compiled copies, one per option set.
+"""One chunk of the CPU reference — its forward (:func:`_chunk_attention`) and its analytic backward
+(:func:`_chunk_backward`, which recomputes the forward) — and their inductor-compiled copies, one
+per option set.
 
 ``COMPILE_CHUNKS`` (default: ``GRCOMPILE_COMPILE_CHUNKS`` != ``0``) is read at call time: set it on
 this module to run the eager chunk.
@@ -60,15 +61,15 @@ def _chunk_backward(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, ta
     -> ``(dq, dk, dv, grads)``, ``dq``/``dk`` None unless ``use_qk``, ``grads`` those of the
     floating ``q_sides``, ``k_sides`` and ``tables`` in that order (what the score_mod reads).
 
-    Recomputes the probabilities P (no activation is stored); with ``A = P∘keep/(1 − p)·out_scale``
-    the matrix the forward multiplied by v and ``G = dO·vᵀ``: ``dv = Aᵀ·dO`` and
-    ``dS = A∘G − P·Σⱼ A∘G`` (the softmax backward with the dropout and the output scale folded in,
-    so the dropout hash runs once, for A); for SiLU / identity ``dS = (G∘keep/(1 − p)·out_scale)·act'(S)``
-    on the mask, 0 off it. The score_mod's own backward is its vector-Jacobian
-    product (``torch.func.vjp``, traced into the same graph): it turns ``dS`` into the gradient of
-    the raw scores and those of the side tensors and tables. Five matmuls and one fused pass over
-    the scores, where autograd through the compiled forward recomputed the forward, stored its
-    masks as bools (slow stores) and ran a second graph."""
+    Recomputes the forward's scores and activation (nothing is stored); ``G = dO·vᵀ``. Softmax, with
+    ``A = P∘keep/(1 − p)·out_scale`` the matrix the forward multiplied by v: ``dv = Aᵀ·dO``,
+    ``dS = A∘G − P·Σⱼ A∘G`` (dropout and output scale folded in, so the dropout hash runs once).
+    SiLU / identity: ``dS = (G∘keep/(1 − p)·out_scale)·act'(S)`` on the mask, 0 off it. The
+    score_mod's own backward is its vector-Jacobian product (``torch.func.vjp``, traced into the
+    same graph): it turns ``dS`` into the gradient of the raw scores and those of the side tensors
+    and tables. Five matmuls and one fused pass over the scores, where autograd through the
+    compiled forward recomputed the forward, stored its masks as bools (slow stores) and ran a
+    second graph."""
     s_raw = _scores(qb, kb, vb, use_qk, scale)
     differentiable = [t for t in (*q_sides, *k_sides, *tables) if t.is_floating_point()]
     if mod is None:

@@ -1,6 +1,6 @@
-"""One chunk of the CPU reference (grcompile/lowering/attention/chunks.py): the analytic softmax
-backward equals autograd through the chunk's forward, eager and inductor-compiled; the float mask
-limits equal the int64 mask they replace."""
+"""One chunk of the CPU reference (grcompile/lowering/attention/chunks.py): the analytic backward
+equals autograd through the chunk's forward for every activation, eager and inductor-compiled;
+the float mask limits equal the int64 mask they replace; NaN, unused inputs and bf16 gradients."""
 from __future__ import annotations
 
 import functools
