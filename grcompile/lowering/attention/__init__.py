@@ -65,8 +65,8 @@ from .validation import ACTIVATIONS
 
 # The kernel modules (triton.py, ascend.py) fall back to the reference through these
 # names; they import them from here until they move into this package.
-from .reference import (_attention_backward_reference, _attention_reference, _autograd_reenabled,  # noqa: F401
-                        _grad_placeholder)
+from .chunks import _autograd_reenabled  # noqa: F401
+from .reference import _attention_backward_reference, _attention_reference, _grad_placeholder  # noqa: F401
 from .validation import _check_dropout, _check_meta, _check_values  # noqa: F401
 
 __all__ = ["jagged_attention", "jagged_attention_backward", "plan_buckets", "dropout_keep", "ACTIVATIONS",

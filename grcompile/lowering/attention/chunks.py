@@ -33,25 +33,12 @@ def _chunk_attention(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, t
     ``q_lim``/``k_lim`` (:func:`mask_limits`) carry the mask; ``drop_rows`` (:func:`dropout_rows`),
     ``k_tok`` and ``dropout_p`` (a 0-d tensor, so that compiled kernels do not specialise on it)
     the dropout mask, used when ``dropout``."""
-    dtype = vb.dtype
     s = _scores(qb, kb, vb, use_qk, scale)
     if mod is not None:
-        s = mod(s, q_pos[:, None, :, None], k_pos[:, None, None, :], tuple(t[:, None, :, None] for t in q_sides),
-                tuple(t[:, None, None, :] for t in k_sides), tuple(tables), heads=vb.shape[1])
-        s = s.to(dtype)
-    allowed = _allowed(q_lim, k_lim, causal)
-    if activation == "softmax":
-        a = _masked_softmax(s, allowed)
-    else:
-        a = torch.nn.functional.silu(s) if activation == "silu" else s
-        a = torch.where(allowed, a, 0.0)
-    if dropout:
-        a = torch.where(dropout_keep_rows(drop_rows, k_tok, dropout_p), a / (1.0 - dropout_p), 0.0)
-    if out_scale != 1.0:
-        a = a * out_scale
-    target = (vb.shape[0], vb.shape[1], q_lim.shape[1], k_lim.shape[1])
-    if tuple(a.shape) != target:
-        a = a.expand(target)
+        s = _call_mod(mod, s, q_pos, k_pos, q_sides, k_sides, tables, vb)
+    keep = dropout_keep_rows(drop_rows, k_tok, dropout_p) if dropout else None
+    a = _scale_and_drop(_activate(s, _allowed(q_lim, k_lim, causal), activation), keep, dropout_p, out_scale)
+    a = a.expand(vb.shape[0], vb.shape[1], q_lim.shape[1], k_lim.shape[1])  # [n, 1, ...] when not use_qk
     return torch.matmul(a, vb)
 
 
@@ -79,25 +66,20 @@ def _chunk_backward(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, ta
             replaced = iter(floats)
             qs, ks, tabs = ([next(replaced) if t.is_floating_point() else t for t in group]
                             for group in (q_sides, k_sides, tables))
-            return mod(raw, q_pos[:, None, :, None], k_pos[:, None, None, :], tuple(t[:, None, :, None] for t in qs),
-                       tuple(t[:, None, None, :] for t in ks), tuple(tabs), heads=vb.shape[1]).to(vb.dtype)
+            return _call_mod(mod, raw, q_pos, k_pos, qs, ks, tabs, vb)
         s, mod_vjp = _vjp(modded, s_raw, *differentiable)
     full = (vb.shape[0], vb.shape[1], q_lim.shape[1], k_lim.shape[1])  # s is [n, 1, ...] when not use_qk
     allowed = _allowed(q_lim, k_lim, causal)
     keep = dropout_keep_rows(drop_rows, k_tok, dropout_p) if dropout else None
-    if activation == "softmax":
-        p = _masked_softmax(s, allowed).expand(full)  # exactly 0 off the mask and on dead rows
-        a = _scale_and_drop(p, keep, dropout_p, out_scale)
-    else:  # as the forward: masked by where (a non-finite score off the mask never reaches a product)
-        a = _scale_and_drop(torch.where(allowed, torch.nn.functional.silu(s) if activation == "silu" else s, 0.0),
-                            keep, dropout_p, out_scale).expand(full)
+    act = _activate(s, allowed, activation).expand(full)  # softmax: exactly 0 off the mask and on dead rows
+    a = _scale_and_drop(act, keep, dropout_p, out_scale)
     dv = torch.matmul(a.transpose(-2, -1), grad_out)
     if not use_qk and (mod is None or not differentiable):
         return None, None, dv, []
     g = torch.matmul(grad_out, vb.transpose(-2, -1))
     if activation == "softmax":
         a_g = a * g
-        d_s = a_g - p * a_g.sum(dim=-1, keepdim=True)
+        d_s = a_g - act * a_g.sum(dim=-1, keepdim=True)
     else:
         d_a = _scale_and_drop(g, keep, dropout_p, out_scale)
         if activation == "silu":
@@ -115,8 +97,24 @@ def _chunk_backward(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, ta
     return torch.matmul(d_s, kb), torch.matmul(d_s.transpose(-2, -1), qb), dv, grads
 
 
-def _scale_and_drop(x: torch.Tensor, keep: torch.Tensor | None, dropout_p: torch.Tensor, out_scale: float) -> torch.Tensor:
-    """``x`` through the forward's dropout and output scale, in the forward's order."""
+def _call_mod(mod, s, q_pos, k_pos, q_sides, k_sides, tables, vb: torch.Tensor) -> torch.Tensor:
+    """The score_mod on scores ``[n, H, Lq, Lk]``: query tensors broadcast over keys, key tensors over
+    queries; the result in the chunk's compute dtype (``vb``'s)."""
+    return mod(s, q_pos[:, None, :, None], k_pos[:, None, None, :], tuple(t[:, None, :, None] for t in q_sides),
+               tuple(t[:, None, None, :] for t in k_sides), tuple(tables), heads=vb.shape[1]).to(vb.dtype)
+
+
+def _activate(s: torch.Tensor, allowed: torch.Tensor, activation: str) -> torch.Tensor:
+    """The activation over the mask: the masked softmax, or SiLU / identity masked by ``where`` (a
+    non-finite score off the mask never reaches a product)."""
+    if activation == "softmax":
+        return _masked_softmax(s, allowed)
+    return torch.where(allowed, torch.nn.functional.silu(s) if activation == "silu" else s, 0.0)
+
+
+def _scale_and_drop(x: torch.Tensor, keep: torch.Tensor | None, dropout_p: torch.Tensor,
+                    out_scale: float) -> torch.Tensor:
+    """``x`` through the dropout (``keep``: None when off) and the output scale, in that order."""
     if keep is not None:
         x = torch.where(keep, x / (1.0 - dropout_p), 0.0)
     return x * out_scale if out_scale != 1.0 else x

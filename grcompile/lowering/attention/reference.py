@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .buckets import _chunks
-from .chunks import _autograd_reenabled, _chunk_backward_kernel, _chunk_kernel, mask_limits, mask_positions  # noqa: F401
+from .chunks import _chunk_backward_kernel, _chunk_kernel, mask_limits, mask_positions
 from .dropout import dropout_rows
 from .validation import _check_dropout, _check_meta, _check_values
 
@@ -82,7 +82,8 @@ def _analytic_backward(grad_out, q, k, v, offs, positions, q_side, k_side, table
     H = q.shape[1]
     cdtype = _compute_dtype(q.dtype)
     kernel = _chunk_backward_kernel(score_mod, dtype=cdtype, use_qk=use_qk, activation=activation, scale=scale,
-                                    out_scale=out_scale, causal=causal, dropout_p=dropout_p, head_widths=(q.shape[2], v.shape[2]),
+                                    out_scale=out_scale, causal=causal, dropout_p=dropout_p,
+                                    head_widths=(q.shape[2], v.shape[2]),
                                     table_grads=bool(score_mod) and any(t.is_floating_point() for t in tables))
     mask_pos = mask_positions(positions, max_len)
     table_values = [t.detach() for t in tables]
