@@ -30,17 +30,13 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .layout import Token
+from .layout import Token, feature_axes
 from .op_semantics import arg, canonical, describe_op, evaluate, example, shape_of
 from .symbolic import is_symbolic
 
 _SELECT_METHODS = ("gather", "select", "index_select", "narrow", "take_along_dim")
 _SELECT_FUNCTIONS = {torch.gather: "gather", torch.select: "select", torch.index_select: "index_select",
                      torch.narrow: "narrow", torch.take_along_dim: "take_along_dim", operator.getitem: "getitem"}
-
-
-def _features(layout: Token) -> list[int]:
-    return [a for a in range(layout.ndim) if a not in (layout.batch, layout.seq)]
 
 
 def selection_kind(u: fx.Node, x: fx.Node, members: set[fx.Node]) -> str | None:
@@ -115,7 +111,7 @@ class ExitEmitter:
     def segment(self, u: fx.Node, values: fx.Node, layout: Token, kind: str) -> fx.Node:
         """``values [T, *F]`` summed per row, in ``u``'s axis order."""
         shape = shape_of(u.args[0])
-        feats = _features(layout)
+        feats = feature_axes(layout)
         out = self._emit(torch.zeros, self.B, *[self.size(shape[a]) for a in feats], dtype=example(u).dtype,
                          device=example(u).device)
         out = self._emit("index_add", out, 0, self.rows, values, method=True)
@@ -132,7 +128,7 @@ class ExitEmitter:
     def select(self, u: fx.Node, x: fx.Node, values: fx.Node, layout: Token) -> fx.Node:
         """The elements ``u`` reads from ``x``, taken from ``values`` (0 for padded reads)."""
         shape = shape_of(x)
-        feats = _features(layout)
+        feats = feature_axes(layout)
         fsizes = [self.size(shape[a]) for a in feats]
         P = self.size(math.prod([shape[a] for a in feats]))
         g = self.g

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from .attention_capture import ANY, Unsupported, _Any, _eval_abstract, is_masked, side_value
-from .layout import Token, TupleOf, propagate
+from .layout import Flat, Token, TupleOf, propagate, token_axes
 from .op_semantics import arg, canonical, shape_of
 from .symbolic import is_one
 
@@ -217,7 +217,7 @@ def shrink(region: list[fx.Node], make_check: Callable[[set[fx.Node]], Callable[
     return [n for n in region if n in members], dropped
 
 
-def feature_index(index, layout: Token, node: fx.Node):
+def feature_index(index, layout: Token | Flat, node: fx.Node):
     """A basic index (ints, slices, None, Ellipsis) of a ``Token`` tensor that leaves its token
     axes whole (``uvqk[..., :d]``, ``x[:, :, a:b]``), re-expressed on the jagged ``[T, *features]``
     form: the token axes' items are dropped and one ``:`` for T leads."""
@@ -238,7 +238,7 @@ def feature_index(index, layout: Token, node: fx.Node):
         if i is None:
             out.append(None)
             continue
-        if axis in (layout.batch, layout.seq):
+        if axis in token_axes(layout):
             if i != slice(None):
                 raise Unsupported(f"{node.name} indexes a token axis inside the jagged region", node)
         else:

@@ -31,7 +31,7 @@ from .exit_checks import build_read_check
 from .jagged_exits import ExitEmitter, prove_reads_valid, segment_kind, selection_kind
 from .jagged_region import ZeroAtPadding, feature_index, hoist_validity, sequence_softmaxes, shrink, tiled_along
 from . import row_spellings
-from .layout import Token, TupleOf
+from .layout import Flat, Pair, Token, TupleOf, feature_axes, token_axes
 from .op_semantics import arg, canonical, describe_op, shape_of
 from .symbolic import SizeArgs, Unresolved, gt_one, hoist_sizes, is_one, known_eq
 
@@ -39,7 +39,7 @@ _POINTWISE = ("ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "add", "su
               "unary", "where", "masked_fill", "dropout")
 _HANDLED = _POINTWISE + ("linear", "layer_norm", "rms_norm", "normalize", "softmax", "embedding", "reshape",
                          "unsqueeze", "squeeze", "transpose", "permute", "expand", "split", "chunk", "getitem",
-                         "cat", "matmul", "reduce", "fused_attention")
+                         "cat", "matmul", "reduce", "fused_attention", "class_loss", "einsum")
 
 
 def _smaller(u: fx.Node, x: fx.Node) -> bool:
@@ -51,14 +51,6 @@ def _smaller(u: fx.Node, x: fx.Node) -> bool:
 
 
 _WORK = ("embedding", "linear", "layer_norm", "rms_norm", "matmul", "fused_attention")
-
-
-def _token_axes(layout: Token) -> list[int]:
-    return [a for a in (layout.batch, layout.seq) if a is not None]
-
-
-def _features(layout: Token) -> list[int]:
-    return [a for a in range(layout.ndim) if a not in (layout.batch, layout.seq)]
 
 
 class JaggedRewrite(GraphPass):
@@ -174,7 +166,7 @@ class _Rewriter:
     # ---------------------------------------------------------------- region
     def _heavy(self, n: fx.Node) -> bool:
         layout, shape = self.layouts.get(n), shape_of(n)
-        return any(gt_one(shape[a]) for a in _features(layout))
+        return any(gt_one(shape[a]) for a in feature_axes(layout))
 
     def _select(self) -> list[fx.Node]:
         region: list[fx.Node] = []
@@ -188,12 +180,17 @@ class _Rewriter:
                 pass
             elif op == "fused_attention":
                 pass
+            elif isinstance(layout, Flat):  # flattened tokens (a per-position loss): only what the region feeds
+                if not fed or not known_eq(shape_of(n)[layout.axis], self.B * self.N):
+                    continue
             elif not (isinstance(layout, Token) and layout.batch is not None and layout.seq is not None):
                 continue
             elif not known_eq(shape_of(n)[layout.batch], self.B) or not (self._heavy(n) or fed):
                 continue
             elif op == "matmul" and self.layouts.get(n.args[1]) is not None:
                 continue
+            elif op == "einsum" and any(isinstance(self.layouts.get(a), Pair) for a in n.all_input_nodes):
+                continue  # attention left unfused: scores stay dense
             region.append(n)
             members.add(n)
         self.members = members
@@ -230,11 +227,12 @@ class _Rewriter:
             zero = ZeroAtPadding(members, self.layouts, validity, padding, self.seq_softmax)
 
             def ok(n: fx.Node, u: fx.Node) -> bool:
-                if not isinstance(self.layouts.get(n), Token):
+                layout = self.layouts.get(n)
+                if not isinstance(layout, (Token, Flat)):
                     return False  # a split consumed outside: no dense form of the tuple
                 if zero(n) or (u.op == "output" and self.outputs_free):
                     return True
-                return selection_kind(u, n, members) is not None and self._proof(n, u) is None
+                return isinstance(layout, Token) and selection_kind(u, n, members) is not None and self._proof(n, u) is None
             return ok
 
         kept, dropped = shrink(self.region, make_check, self.layouts)
@@ -312,16 +310,17 @@ class _Rewriter:
             if isinstance(self.layouts.get(n), TupleOf):
                 raise Unsupported(f"split {n.name} is consumed outside the jagged region", outside[0])
             layout = self.layouts[n]
+            tokens = isinstance(layout, Token)  # flattened tokens leave through the dense form
             dense = None
             for u in outside:
                 self._check_no_write_between(n, u)  # the exits read the jagged values, taken at n
                 # jagged exits first: a segment sum or a row selection reads the values directly
-                kind = segment_kind(u, n, layout) if zero(n) else None
+                kind = segment_kind(u, n, layout) if tokens and zero(n) else None
                 if kind is not None:
                     with g.inserting_before(u):
                         new = self.exits.segment(u, self.jagged[n], layout, kind)
                     self._count(f"exit_segment_{kind}")
-                elif selection_kind(u, n, self.members) is not None and (
+                elif tokens and selection_kind(u, n, self.members) is not None and (
                         (zero(n) and _smaller(u, n)) or (not zero(n) and self._proof(n, u) is None)):
                     with g.inserting_before(u):
                         new = self.exits.select(u, n, self.jagged[n], layout)
@@ -349,12 +348,15 @@ class _Rewriter:
     def _count(self, key: str) -> None:
         self.counts[key] = self.counts.get(key, 0) + 1
 
-    def _unpack(self, n: fx.Node, layout: Token) -> fx.Node:
+    def _unpack(self, n: fx.Node, layout: Token | Flat) -> fx.Node:
         g = self.g
         with g.inserting_after(self.jagged[n]):
             dense = g.call_function(jagged_to_dense, (self.jagged[n], self.index, self._size(self.B),
                                                       self._size(self.N)))
-        order = _token_axes(layout) + _features(layout)
+        if isinstance(layout, Flat):
+            with g.inserting_after(dense):
+                dense = g.call_method("flatten", (dense, 0, 1))
+        order = token_axes(layout) + feature_axes(layout)
         if order != list(range(len(order))):
             inverse = [order.index(a) for a in range(len(order))]
             with g.inserting_after(dense):
@@ -362,11 +364,12 @@ class _Rewriter:
         return dense
 
     # ---------------------------------------------------------------- operands
-    def _pack(self, x: fx.Node) -> fx.Node:
-        """A Token tensor from outside the region as ``[T, *features]``."""
+    def _pack(self, x: fx.Node, layout: Token | Flat | None = None) -> fx.Node:
+        """A Token or Flat tensor from outside the region as ``[T, *features]`` (``layout``: the
+        one ``x`` is read with when the analysis gave it none, see ``_aligned_rows``)."""
         if x in self.packed:
             return self.packed[x]
-        layout, shape = self.layouts[x], shape_of(x)
+        layout, shape = layout or self.layouts[x], shape_of(x)
         g = self.g
         nodes = list(g.nodes)
         point = x if nodes.index(x) > nodes.index(self.offsets) else self.offsets
@@ -377,8 +380,14 @@ class _Rewriter:
                 point = g.call_method(target, args) if kind == "method" else g.call_function(target, args)
             return point
 
-        order = _token_axes(layout) + _features(layout)
+        order = token_axes(layout) + feature_axes(layout)
         y = emit("method", "permute", x, *order) if order != list(range(len(order))) else x
+        if isinstance(layout, Flat):
+            if not known_eq(shape[layout.axis], self.B * self.N):
+                raise Unsupported(f"cannot pack {x.name} {shape}", x)
+            y = emit("function", operator.getitem, y, self.index)
+            self.packed[x] = y
+            return y
         b = shape[layout.batch] if layout.batch is not None else 1
         s = shape[layout.seq] if layout.seq is not None else 1
         if known_eq(b, self.B) and known_eq(s, self.N):
@@ -404,6 +413,8 @@ class _Rewriter:
         nd = out_layout.ndim
         if a in self.members:
             value, layout = self.jagged[a], self.layouts[a]
+        elif isinstance(self.layouts.get(a), Flat):
+            value, layout = self._pack(a), self.layouts[a]
         elif isinstance(self.layouts.get(a), Token):
             a = self._one_row(a, out_layout)
             value, layout = self._pack(a), self.layouts[a]
@@ -412,24 +423,30 @@ class _Rewriter:
             if shape is None or len(shape) == 0:
                 return a
             offset = nd - len(shape)
-            drop = [i for i in range(len(shape)) if i + offset in (out_layout.batch, out_layout.seq)]
-            if any(not is_one(shape[i]) for i in drop):
-                raise Unsupported(f"{a.name} {shape} varies along the token axes without a layout", n)
-            for i in reversed(drop):
-                a = self.g.call_method("squeeze", (a, i))
-            return a
+            drop = [i for i in range(len(shape)) if i + offset in token_axes(out_layout)]
+            if isinstance(out_layout, Flat) and drop and not is_one(shape[drop[0]]):
+                # no layout, but broadcasting lines its elements up with the flattened tokens one
+                # to one (``torch.zeros(B * N)``): its valid positions are the same gather
+                layout = Flat(drop[0], len(shape))
+                value = self._pack(a, layout)
+            else:
+                if any(not is_one(shape[i]) for i in drop):
+                    raise Unsupported(f"{a.name} {shape} varies along the token axes without a layout", n)
+                for i in reversed(drop):
+                    a = self.g.call_method("squeeze", (a, i))
+                return a
         offset = nd - layout.ndim
-        mapped = [f + offset for f in _features(layout)]
+        mapped = [f + offset for f in feature_axes(layout)]
         shape = shape_of(a)
         # a broadcast axis of `a` (size 1) that lands on one of the output's token axes is not a
         # feature of the jagged form: squeeze it
-        squeeze = [i for i, m in enumerate(mapped) if m in (out_layout.batch, out_layout.seq)]
-        if any(not is_one(shape[_features(layout)[i]]) for i in squeeze):
+        squeeze = [i for i, m in enumerate(mapped) if m in token_axes(out_layout)]
+        if any(not is_one(shape[feature_axes(layout)[i]]) for i in squeeze):
             raise Unsupported(f"{a.name} {shape} does not line up with {n.name}'s token axes", n)
         for i in reversed(squeeze):
             value = self.g.call_method("squeeze", (value, 1 + i))
         mapped = [m for i, m in enumerate(mapped) if i not in squeeze]
-        out_feats = _features(out_layout)
+        out_feats = feature_axes(out_layout)
         if mapped != out_feats[len(out_feats) - len(mapped):]:
             raise Unsupported(f"{a.name} broadcasts across feature axes in a way the jagged form cannot keep", n)
         return value
@@ -458,7 +475,7 @@ class _Rewriter:
     def _dim(self, n: fx.Node, d: int, layout: Token | None = None) -> int:
         layout = layout or self.layouts[n.args[0]] if isinstance(n.args[0], fx.Node) else layout
         d = d + layout.ndim if d < 0 else d
-        feats = _features(layout)
+        feats = feature_axes(layout)
         if d not in feats:
             raise Unsupported(f"{n.name} works along a token axis", n)
         return 1 + feats.index(d)
@@ -477,7 +494,7 @@ class _Rewriter:
             self._check_no_write_between(a, n)
         g, op = self.g, canonical(n)
         x = n.args[0] if n.args else None
-        J = lambda a: self.jagged[a] if a in self.members else (self._pack(a) if isinstance(self.layouts.get(a), Token) else a)  # noqa: E731
+        J = lambda a: self.jagged[a] if a in self.members else (self._pack(a) if isinstance(self.layouts.get(a), (Token, Flat)) else a)  # noqa: E731
         call = (lambda args, kwargs: g.call_method(n.target, args, kwargs)) if n.op == "call_method" else \
             (lambda args, kwargs: g.call_function(n.target, args, kwargs))
         if op in _POINTWISE:
@@ -488,6 +505,20 @@ class _Rewriter:
             return call((J(x), *n.args[1:]), dict(n.kwargs))
         if op == "embedding":
             return call((self._pack(x), *n.args[1:]), dict(n.kwargs))
+        if op == "class_loss":  # one loss per row: the target's rows are gathered like the input's
+            target = arg(n, 1, "target")
+            if isinstance(self.layouts.get(target), Flat):
+                target = J(target)
+            elif self.layouts.get(target) is not None:
+                raise Unsupported(f"the target of {describe_op(n)} does not line up with its rows", n)
+            else:
+                target = self._pack(target, Flat(0, len(shape_of(target))))
+            args, kwargs = list(n.args), dict(n.kwargs)
+            if len(args) > 1:
+                args[1] = target
+            else:
+                kwargs["target"] = target
+            return call((J(x), *args[1:]), kwargs)
         if op == "matmul":
             return call((J(x), n.args[1]), {})
         if n in self.seq_softmax:
@@ -511,15 +542,15 @@ class _Rewriter:
         if op in ("reshape", "expand"):
             out_layout = self.layouts[n]
             shape = shape_of(n)
-            sizes = [self._size(shape[a]) for a in _features(out_layout)]
+            sizes = [self._size(shape[a]) for a in feature_axes(out_layout)]
             value = J(x)
             if op == "expand" and isinstance(self.layouts.get(x), Token):
                 # a size-1 feature axis of the input that the expand makes a token axis
                 # (``pe.unsqueeze(0).expand(B, N, D)``) is already the jagged values' row axis
                 in_layout, in_shape = self.layouts[x], shape_of(x)
                 offset = out_layout.ndim - in_layout.ndim
-                kept = [a for a in _features(in_layout) if a + offset in _features(out_layout)]
-                if len(kept) != len(_features(in_layout)):
+                kept = [a for a in feature_axes(in_layout) if a + offset in feature_axes(out_layout)]
+                if len(kept) != len(feature_axes(in_layout)):
                     value = g.call_method("reshape", (value, -1, *[self._size(in_shape[a]) for a in kept]))
             return g.call_method("reshape" if op == "reshape" else "expand", (value, -1, *sizes))
         if op == "unsqueeze":
@@ -537,8 +568,8 @@ class _Rewriter:
             else:
                 dims = n.args[1:] if len(n.args) > 2 else arg(n, 1, "dims")
                 source = [d % nd for d in dims]
-            in_feats = _features(in_layout)
-            perm = [0] + [1 + in_feats.index(source[a]) for a in _features(out_layout)]
+            in_feats = feature_axes(in_layout)
+            perm = [0] + [1 + in_feats.index(source[a]) for a in feature_axes(out_layout)]
             return g.call_method("permute", (J(x), *perm))
         if op in ("split", "chunk"):
             d = self._dim(n, arg(n, 2, "dim", 0))
@@ -568,7 +599,19 @@ class _Rewriter:
             return call((J(x), *args[1:]), kwargs)
         if op == "fused_attention":
             return self._attention(n)
+        if op == "einsum":
+            return self._token_local(n)
         raise Unsupported(f"{describe_op(n)} ({n.name}) has no jagged form", n)
+
+    def _token_local(self, n: fx.Node) -> fx.Node:
+        """An op whose output at a token reads the region's values at that token only, plus
+        per-row or constant operands (``einsum("bnd,brd->bnr", h, negatives)``: its layout keeps
+        the sequence letter and contracts none): run as written on the unpacked operands (zeros
+        at padding, never read back), then its valid positions gathered."""
+        dense = {a: self._unpack(a, self.layouts[a]) for a in n.all_input_nodes if a in self.members}
+        copy = self.g.node_copy(n, lambda a: dense.get(a, a))
+        self._count(f"{canonical(n)}_through_dense")
+        return self._pack(copy, self.layouts[n])
 
     def _attention(self, n: fx.Node) -> fx.Node:
         g = self.g

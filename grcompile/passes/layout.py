@@ -2,7 +2,9 @@
 
 ``Token(batch, seq, ndim)``: the tensor is indexed by (row, position) on axes ``batch`` and
 ``seq`` (``batch`` is ``None`` when it broadcasts over rows, e.g. a positional table
-``[1, N, D]`` or ``arange(N)``); other axes are features. ``Pair(batch, q, k, ndim)``: indexed by
+``[1, N, D]`` or ``arange(N)``); other axes are features. ``Flat(axis, ndim)``: the row and
+position axes merged row-major into one axis of size ``B·N`` (``logits.flatten(0, 1)``,
+``x.view(-1, C)`` before a per-position loss). ``Pair(batch, q, k, ndim)``: indexed by
 (row, query position, key position) — attention scores, biases, masks. ``None``: no padded
 structure we can vouch for (reductions or shifts along the sequence end a layout).
 
@@ -11,7 +13,7 @@ cannot confuse them. An unknown op yields ``None``: the safe answer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch.fx as fx
@@ -32,6 +34,18 @@ class Token:
 
 
 @dataclass(frozen=True)
+class Flat:
+    """Axis ``axis`` runs over the (row, position) pairs row-major: index ``b·N + n``. ``seq``
+    is N (an int or SymInt, not part of equality): what unflattening back to rows checks."""
+    axis: int
+    ndim: int
+    seq: Any = field(default=None, compare=False)
+
+    def axes(self) -> dict[str, int]:
+        return {"t": self.axis}
+
+
+@dataclass(frozen=True)
 class Pair:
     batch: int | None
     q: int
@@ -45,14 +59,30 @@ class Pair:
 @dataclass(frozen=True)
 class TupleOf:
     """Result of split/chunk along a feature axis: every element has ``element``."""
-    element: Token | Pair
+    element: Token | Flat | Pair
 
 
-Layout = Token | Pair | TupleOf | None
+Layout = Token | Flat | Pair | TupleOf | None
 
 
-def _shift(layout: Token | Pair, mapping: Callable[[int], int | None], ndim: int) -> Layout:
+def token_axes(layout: Token | Flat) -> list[int]:
+    """The axes that index tokens, in the order of the jagged values' row (row, then position)."""
+    if isinstance(layout, Flat):
+        return [layout.axis]
+    return [a for a in (layout.batch, layout.seq) if a is not None]
+
+
+def feature_axes(layout: Token | Flat) -> list[int]:
+    """The other axes, in order: the jagged values ``[T, *features]`` keep them as they are."""
+    tokens = token_axes(layout)
+    return [a for a in range(layout.ndim) if a not in tokens]
+
+
+def _shift(layout: Token | Flat | Pair, mapping: Callable[[int], int | None], ndim: int) -> Layout:
     """Apply an axis mapping; a token axis that disappears ends the layout."""
+    if isinstance(layout, Flat):
+        new = mapping(layout.axis)
+        return None if new is None else replace(layout, axis=new, ndim=ndim)
     fields = {"batch": layout.batch} | ({"seq": layout.seq} if isinstance(layout, Token) else
                                         {"q": layout.q, "k": layout.k})
     out = {}
@@ -74,7 +104,7 @@ def _norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def _touches(layout: Token | Pair, dims: set[int]) -> bool:
+def _touches(layout: Token | Flat | Pair, dims: set[int]) -> bool:
     return any(a in dims for a in layout.axes().values())
 
 
@@ -84,7 +114,13 @@ def _layout(env: dict[fx.Node, Layout], value: Any) -> Layout:
 
 def combine_pointwise(inputs: list[tuple[Layout, tuple[int, ...] | None]], out_ndim: int) -> Layout:
     """Broadcasting combination. Token axes of the inputs (right-aligned) must agree; two
-    distinct sequence axes make a Pair (query axis first)."""
+    distinct sequence axes make a Pair (query axis first). A flattened token axis combines only
+    with the same flattened axis (a per-row or per-position value cannot be aligned with it)."""
+    if any(isinstance(layout, Flat) for layout, _ in inputs):
+        flat = [layout for layout, _ in inputs if isinstance(layout, Flat)]
+        axes = {layout.axis + out_ndim - layout.ndim if isinstance(layout, Flat) else None
+                for layout, _ in inputs if layout is not None}
+        return replace(flat[0], axis=axes.pop(), ndim=out_ndim) if len(axes) == 1 and None not in axes else None
     batch: set[int] = set()
     seqs: set[int] = set()
     pair: Pair | None = None
@@ -132,7 +168,27 @@ def _reshape_map(src: tuple[int, ...], dst: tuple[int, ...]) -> Callable[[int], 
     return mapping
 
 
-def _getitem(layout: Token | Pair, index: Any, in_shape: tuple[int, ...], out_ndim: int) -> Layout:
+def _merged_axis(src: tuple[int, ...], dst: tuple[int, ...], batch: int) -> int | None:
+    """The ``dst`` axis holding ``src`` axes ``batch`` and ``batch + 1`` merged row-major (same
+    element count before it, their product as its size), else None."""
+    before, size = prod(src[:batch]), src[batch] * src[batch + 1]
+    for b in range(len(dst)):
+        if known_eq(dst[b], size) and known_eq(prod(dst[:b]), before):
+            return b
+    return None
+
+
+def _split_axis(src: tuple[int, ...], dst: tuple[int, ...], axis: int, seq: Any) -> int | None:
+    """The ``dst`` axis ``m`` such that ``dst[m], dst[m + 1]`` are (rows, positions) split back
+    out of the flattened ``src`` axis ``axis`` (``loss.view(B, N)``), else None."""
+    before = prod(src[:axis])
+    for m in range(len(dst) - 1):
+        if known_eq(dst[m + 1], seq) and known_eq(dst[m] * dst[m + 1], src[axis]) and known_eq(prod(dst[:m]), before):
+            return m
+    return None
+
+
+def _getitem(layout: Token | Flat | Pair, index: Any, in_shape: tuple[int, ...], out_ndim: int) -> Layout:
     items = index if isinstance(index, tuple) else (index,)
     if any(isinstance(i, fx.Node) for i in items):
         return None  # advanced indexing of a padded tensor: a gather along unknown axes
@@ -216,7 +272,7 @@ def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
     x = node.args[0] if node.args else None
     lx = _layout(env, x)
     in_shape = shape_of(x)
-    if op in ("split", "chunk") and isinstance(lx, (Token, Pair)):
+    if op in ("split", "chunk") and isinstance(lx, (Token, Flat, Pair)):
         d = _norm_dim(arg(node, 2, "dim", 0), len(in_shape))
         return None if _touches(lx, {d}) else TupleOf(lx)
     if op is None or out_shape is None:
@@ -228,8 +284,8 @@ def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
         tensors = [a for a in list(node.args) + list(node.kwargs.values()) if isinstance(a, fx.Node)]
         return combine_pointwise([(env.get(a), shape_of(a)) for a in tensors], nd)
     if op == "dropout":
-        return lx if isinstance(lx, (Token, Pair)) else None
-    if not isinstance(lx, (Token, Pair, TupleOf)) and op not in ("matmul", "einsum", "embedding", "getitem",
+        return lx if isinstance(lx, (Token, Flat, Pair)) else None
+    if not isinstance(lx, (Token, Flat, Pair, TupleOf)) and op not in ("matmul", "einsum", "embedding", "getitem",
                                                                   "tril", "triu", "cat", "arange", "fused_attention"):
         return None
     if op == "unsqueeze":
@@ -242,6 +298,14 @@ def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
         d = _norm_dim(d, len(in_shape))
         return None if _touches(lx, {d}) and not is_one(in_shape[d]) else _shift(lx, lambda a: None if a == d else a - (a > d), nd)
     if op == "reshape":
+        if isinstance(lx, Token) and lx.batch is not None and lx.seq == lx.batch + 1:
+            merged = _merged_axis(in_shape, out_shape, lx.batch)
+            if merged is not None:
+                return Flat(merged, nd, in_shape[lx.seq])
+        if isinstance(lx, Flat) and lx.seq is not None:
+            split = _split_axis(in_shape, out_shape, lx.axis, lx.seq)
+            if split is not None:
+                return Token(split, split + 1, nd)
         return _shift(lx, _reshape_map(in_shape, out_shape), nd)
     if op == "expand":
         return _shift(lx, lambda a: a + nd - len(in_shape), nd)
@@ -265,15 +329,15 @@ def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
         if isinstance(idx, fx.Node) and lx is None:
             # table[index]: a gather from an unpadded table by padded indices (RAB tables)
             li = _layout(env, idx)
-            if isinstance(li, (Token, Pair)):
+            if isinstance(li, (Token, Flat, Pair)):
                 return replace(li, ndim=nd)
             return None
-        if isinstance(lx, (Token, Pair)):
+        if isinstance(lx, (Token, Flat, Pair)):
             return _getitem(lx, idx, in_shape, nd)
         return None
     if op in ("embedding", "one_hot"):  # one_hot(idx, K): a new trailing feature axis
         li = _layout(env, x)
-        return replace(li, ndim=nd) if isinstance(li, (Token, Pair)) else None
+        return replace(li, ndim=nd) if isinstance(li, (Token, Flat, Pair)) else None
     if op in ("linear",):
         return lx if not _touches(lx, {len(in_shape) - 1}) else None
     if op in ("layer_norm", "rms_norm"):
@@ -302,7 +366,7 @@ def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
         layouts = {env.get(t) for t in tensors}
         if len(layouts) == 1:
             (only,) = layouts
-            if isinstance(only, (Token, Pair)) and not _touches(only, {d}):
+            if isinstance(only, (Token, Flat, Pair)) and not _touches(only, {d}):
                 return only
         return None
     if op in ("tril", "triu"):
@@ -323,11 +387,15 @@ def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
             return Pair(batch, nd - 2, nd - 1, nd)  # q @ kᵀ
         if isinstance(la, Pair) and la.k == na - 1 and isinstance(lb, Token) and lb.seq == nb - 2:
             return Token(batch, nd - 2, nd)  # scores @ v: contraction over keys
-        if isinstance(la, (Token, Pair)) and lb is None and nb <= 2 and not _touches(la, {na - 1}):
+        if isinstance(la, (Token, Flat, Pair)) and lb is None and nb <= 2 and not _touches(la, {na - 1}):
             return replace(la, ndim=nd)  # x @ W over a feature axis (one_hot(idx) @ table): axes stay
         return None
     if op == "einsum":
         return _einsum(node, env)
+    if op == "class_loss":  # cross_entropy / nll_loss(input [M, C], target [M]) per row
+        legacy = arg(node, 3, "size_average") is not None or arg(node, 5, "reduce") is not None
+        none = arg(node, 6, "reduction", "mean") == "none" and not legacy
+        return replace(lx, ndim=1) if none and lx == Flat(0, 2) and nd == 1 else None
     if op == "fused_attention":
         return Token(0, 1, 4)  # [B, N, H, dv] like its v
     if op == "arange":

@@ -65,7 +65,7 @@ for _name in ("erf", "erfc", "expm1", "reciprocal", "sin", "cos", "mish", "hards
 # shape / layout
 _register("unsqueeze", torch.unsqueeze, methods=("unsqueeze",))
 _register("squeeze", torch.squeeze, methods=("squeeze",))
-_register("reshape", torch.reshape, methods=("view", "reshape"))
+_register("reshape", torch.reshape, torch.flatten, torch.unflatten, methods=("view", "reshape", "flatten", "unflatten"))
 _register("transpose", torch.transpose, torch.swapaxes, methods=("transpose", "swapaxes"))
 _register("permute", torch.permute, methods=("permute",))
 _register("expand", methods=("expand", "expand_as"))
@@ -85,6 +85,7 @@ _register("rms_norm", F.rms_norm, *([torch.rms_norm] if hasattr(torch, "rms_norm
 _register("normalize", F.normalize)
 _register("dropout", F.dropout, torch.dropout)
 _register("embedding", F.embedding, torch.embedding)
+_register("class_loss", F.cross_entropy, F.nll_loss)  # (input [M, C], target [M]): one loss per row
 _register("softmax", F.softmax, torch.softmax, F.log_softmax, torch.log_softmax, methods=("softmax", "log_softmax"))
 _register("reduce", torch.sum, torch.mean, torch.amax, torch.amin, torch.var, torch.std,
           methods=("sum", "mean", "amax", "amin", "var", "std"))  # var/std: keyword unbiased/correction

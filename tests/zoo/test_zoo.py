@@ -28,8 +28,6 @@ INDUCTOR_DEFAULT = ["recbole_sasrec", "linrec"]
 NOT_YET: dict[str, str] = {
     "fbgemm_user_jagged": "fbgemm dense_to_jagged graph-breaks (data-dependent output shape) and the graph after "
                           "the break has no ids to find the padding in: the SDPA there is not fused",
-    "negatives_rn": "jagged exit: the per-position cross-entropy over logits.flatten(0, 1), masked after the "
-                    "loss, stays dense (partial)",
 }
 
 # model -> why its no_grad eval graph (inference) does not fuse what its training graph fuses
