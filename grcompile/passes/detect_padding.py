@@ -20,7 +20,7 @@ import torch.fx as fx
 from .pass_manager import GraphPass, PassContext, node_site
 from .axes import AxisClasses
 from .layout import Layout, Pair, Token, propagate
-from .op_semantics import canonical, example, refresh_example_values, shape_of
+from .op_semantics import arg, canonical, example, refresh_example_values, shape_of
 from .symbolic import known_eq
 
 LAYOUT = "grcompile_layout"
@@ -154,6 +154,8 @@ def _layouts(gm: fx.GraphModule, classes: AxisClasses, rows, positions, N) -> di
             layouts[node] = _input_layout(node, classes, rows, positions)
         elif canonical(node) == "arange" and _is_positions(node, N) and classes.axes_in(node, positions) == [0]:
             layouts[node] = Token(None, 0, 1)
+        elif canonical(node) == "jagged_to_padded_dense" and _pads_the_rows(node, classes, rows, N):
+            layouts[node] = Token(0, 1, len(shape_of(node)))
         else:
             layouts[node] = _with_rows(propagate(node, layouts), node, classes, rows)
     return layouts
@@ -179,6 +181,24 @@ def _input_layout(node: fx.Node, classes: AxisClasses, rows, positions) -> Layou
     if len(b) > 1 or len(n) > 1 or not (b or n):
         return None
     return Token(b[0] if b else None, n[0] if n else None, len(shape))
+
+
+def _pads_the_rows(node: fx.Node, classes: AxisClasses, rows, N) -> bool:
+    """fbgemm's ``jagged_to_padded_dense(values, [offsets], [N], pad)`` with ``offsets`` the
+    cumulative sum of a per-row value of the batch (``valid.sum(1)``): row ``b`` of its output is
+    the batch's row ``b`` and its axis 1 the ``N`` positions, whatever the values (user code that
+    runs part of the block jagged by hand and pads back)."""
+    offsets, max_lengths = arg(node, 1, "offsets"), arg(node, 2, "max_lengths")
+    if not (isinstance(offsets, (list, tuple)) and len(offsets) == 1 and isinstance(max_lengths, (list, tuple))
+            and len(max_lengths) == 1):
+        return False
+    (cumsum,), (max_len,) = offsets, max_lengths
+    if not isinstance(cumsum, fx.Node) or canonical(cumsum) != "complete_cumsum" or len(cumsum.args) != 1:
+        return False
+    lengths, shape = cumsum.args[0], shape_of(node)
+    return (isinstance(lengths, fx.Node) and len(shape_of(lengths) or ()) == 1
+            and classes.axes_in(lengths, rows) == [0] and known_eq(example(max_len), N)
+            and shape is not None and len(shape) >= 2)
 
 
 def _is_positions(node: fx.Node, N) -> bool:

@@ -109,11 +109,26 @@ def is_random(node: fx.Node) -> bool:
     return name in RANDOM_OPS or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
+# library ops matched by their qualified name, so that nothing here imports the library
+_LIBRARY: dict[str, str] = {
+    "fbgemm::jagged_to_padded_dense": "jagged_to_padded_dense",  # (values, [offsets], [max_len], pad)
+    "fbgemm::asynchronous_complete_cumsum": "complete_cumsum",     # lengths [B] -> offsets [B + 1]
+    "fbgemm::complete_cumsum": "complete_cumsum",
+}
+
+
+def _qualified_name(target: Any) -> str | None:
+    name = getattr(target, "_qualified_op_name", None)  # an OpOverloadPacket
+    if name is None and isinstance(target, torch._ops.OpOverload):
+        name = target._schema.name
+    return name
+
+
 def canonical(node: fx.Node) -> str | None:
     """Canonical op name of ``node`` or ``None`` (placeholders, outputs, unknown ops)."""
     if node.op == "call_function":
         try:
-            return _FUNCTIONS.get(node.target) or declared(node.target)
+            return _FUNCTIONS.get(node.target) or declared(node.target) or _LIBRARY.get(_qualified_name(node.target))
         except TypeError:  # unhashable target
             return None
     if node.op == "call_method":

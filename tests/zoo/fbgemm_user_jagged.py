@@ -12,7 +12,8 @@ from grcompile.user_model import UserModel
 from tests.zoo.batches import padded_ids
 
 EXPECT = {"fused_attention": 1, "jagged": False,
-          "dense_reason": "the input block is already jagged in the user's code (fbgemm dense_to_jagged)"}
+          "dense_reason": "the embedding feeds the user's own fbgemm dense_to_jagged and stays as written; the "
+                          "block after jagged_to_padded_dense goes jagged"}
 
 
 class FbgemmJaggedRec(nn.Module):

@@ -25,15 +25,10 @@ INDUCTOR_DEFAULT = ["recbole_sasrec", "linrec"]
 
 # model -> what today's pipeline does not deliver of its EXPECT (strict xfail: a pass that starts
 # to deliver it turns the test into a failure, and the entry is then removed)
-NOT_YET: dict[str, str] = {
-    "fbgemm_user_jagged": "fbgemm dense_to_jagged graph-breaks (data-dependent output shape) and the graph after "
-                          "the break has no ids to find the padding in: the SDPA there is not fused",
-}
+NOT_YET: dict[str, str] = {}
 
 # model -> why its no_grad eval graph (inference) does not fuse what its training graph fuses
-NOT_YET_EVAL: dict[str, str] = {
-    "fbgemm_user_jagged": "the training graph does not fuse either (NOT_YET)",
-}
+NOT_YET_EVAL: dict[str, str] = {}
 
 # models whose fallback reasons are not yet sentences naming the user's op (raw reprs)
 NOT_YET_SENTENCES: dict[str, str] = {}
