@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .layout import Pair, Token
+from .pass_manager import node_site
 from .op_semantics import arg, canonical, describe_op, evaluate, example, shape_of
 from .symbolic import is_one, is_symbolic, known_eq
 
@@ -74,6 +76,9 @@ class Capture:
     uses_head: bool = False  # the score_mod takes the head index (after k_pos)
     views: list = field(default_factory=list)  # per table: a TableView (per-pair tensor) or None (gathered)
     empty_rows_zero: bool = False  # the user's softmax gives 0 on a row whose logits are all -inf
+    # per-token inputs (the user's names) that may mask a valid query's own key, which the proof
+    # cannot evaluate: the fused softmax is exact only on calls where every valid query keeps it
+    unknown_own_key: list[str] = field(default_factory=list)
 
 
 def is_qk_score(node: fx.Node, layouts: dict) -> bool:
@@ -234,7 +239,23 @@ def side_value(node: Any, valid: torch.Tensor, validity: set, padding: set, dept
     if op in _POINTWISE:
         lookup = lambda a: side_value(a, valid, validity, padding, depth - 1)  # noqa: E731
         return _eval_abstract(node, fx.node.map_arg(node.args, lookup), fx.node.map_arg(node.kwargs, lookup))
+    if op == "factory":  # zeros_like(mask, dtype=float) before a masked_fill: a known constant
+        fill = _factory_fill(node)
+        dtype = getattr(example(node), "dtype", None)
+        if fill is not None and dtype is not None:
+            return torch.tensor(fill, dtype=dtype)
     return ANY
+
+
+def _factory_fill(node: fx.Node) -> Any:
+    """The value every element of a ``zeros`` / ``ones`` / ``full`` (``_like``) node holds, or None."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if name in _FACTORY_FILL:
+        return _FACTORY_FILL[name]
+    if name in ("full", "full_like"):
+        fill = arg(node, 1, "fill_value")
+        return fill if isinstance(fill, (bool, int, float)) else None
+    return None
 
 
 def _role(leaf: fx.Node, consumer_roles: list[str | None], layouts: dict, consumer: fx.Node) -> str:
@@ -900,4 +921,60 @@ def prove(cap: Capture, validity: set[fx.Node], N: int, padding: set[fx.Node] = 
         if not (cap.empty_rows_zero and skipped_inf) and \
                 is_masked(abstract_eval(mod, inputs(diag, diag, true, true)), "softmax"):
             raise Unsupported("a valid query may have every key masked (softmax over an empty set)", cap.score)
+        if not all_valid and not (cap.empty_rows_zero and skipped_inf):
+            # per-token data other than the validity may mask a valid query's every key: the
+            # fusion then needs a run-time check of its own key (fuse_attention builds it)
+            cap.unknown_own_key = _unknown_sides_on_diagonal(cap, mod, N, heads, validity, padding)
     return causal
+
+
+def _unknown_sides_on_diagonal(cap: Capture, mod: fx.GraphModule, N: int, heads: list, validity: set[fx.Node],
+                               padding: set[fx.Node]) -> list[str]:
+    """The per-token inputs, other than the validity and what is computed from it, that can decide
+    whether a valid query keeps its own key: empty when none reaches the score_mod's result, or
+    when the diagonal, for a finite score and zero learned tables, is a known unmasked logit
+    whatever they are. Their names (the user's), else []."""
+    true = torch.tensor(True)
+    values = [side_value(s.node, true, validity, padding) for s in cap.sides]
+    placeholders = [n for n in mod.graph.nodes if n.op == "placeholder"]
+    first_side = 3 + len(heads)
+    unknown = [i for i, v in enumerate(values) if isinstance(v, _Any)]
+    reaching = [i for i in unknown if _reaches_output(placeholders[first_side + i])]
+    if not reaching:
+        return []
+    tables = []
+    for t, view in zip(cap.tables, cap.views):
+        if view is not None:
+            tables.append(view.static if view.static is not None else ANY)
+            continue
+        ex = example(t)
+        finite_stand_in = isinstance(ex, torch.Tensor) and all(isinstance(n, int) for n in ex.shape)
+        tables.append(torch.zeros(tuple(ex.shape), dtype=ex.dtype) if finite_stand_in else ANY)
+    diag = torch.arange(N)[None]
+    try:
+        value = abstract_eval(mod, [torch.zeros(()), diag, diag, *heads, *values, *tables])
+    except (IndexError, RuntimeError):
+        value = ANY
+    if _finite(value) and not is_masked(value, "softmax"):
+        return []
+    return sorted({_user_name(cap.sides[i].node) for i in reaching})
+
+
+def _user_name(node: fx.Node) -> str:
+    """``the input keep`` for Dynamo's ``l_keep_``; ``name (file.py:line)`` for a computed value."""
+    if node.op == "placeholder":
+        match = re.fullmatch(r"l_(.+)_", node.name)
+        return f"the input {match.group(1) if match else node.name}"
+    return f"{node.name} ({node_site(node)})"
+
+
+def _reaches_output(node: fx.Node) -> bool:
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n.op == "output":
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.users)
+    return False

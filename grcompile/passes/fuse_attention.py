@@ -41,6 +41,7 @@ from .decompose_attention import expand_library_attention, functionalise_masked_
 from .detect_padding import PADDING, PaddingInfo, analyse, analyse_unpadded
 from .layout import Pair, Token
 from .op_semantics import canonical, describe_op, einsum_parts, example, shape_of
+from .own_key_check import build_own_key_check
 from .symbolic import hoist_sizes, is_one
 
 
@@ -221,6 +222,7 @@ class FuseAttention(GraphPass):
                 if info.unpadded is not None:
                     _worth_fusing_unpadded(cap, causal, expansion, node)
                 _check_no_write_before(write_order, node, cap, validity)
+                check = _own_key_check(gm, node, cap, info, write_order) if cap.unknown_own_key else None
                 key = self._emit(gm, node, cap, causal, info)
             except Unsupported as e:
                 if expansion is not None:
@@ -229,6 +231,11 @@ class FuseAttention(GraphPass):
                     ctx.fallback(e.node or node, str(e))
                 continue
             fused.add(node)
+            if check is not None:
+                ctx.precondition(check, node, (
+                    f"each call checks that every valid query keeps its own key under the attention mask, which also "
+                    f"reads {' and '.join(cap.unknown_own_key)}: where one does not, eager's softmax spreads over "
+                    f"every position and the call runs as written"))
             extra = {"spelling": expansion.label} if expansion is not None else {}
             if info.unpadded is not None:
                 extra["padding"] = "none found: every position counts as valid"
@@ -266,7 +273,7 @@ class FuseAttention(GraphPass):
             if cap.dropout_p > 0:  # a fresh mask seed per call, from the default generator
                 device = getattr(v.meta.get("example_value"), "device", None)
                 seed = g.call_function(torch.randint, (0, 2**31 - 1, (1,)), {"dtype": torch.int64, "device": device})
-            tables = [_table_input(gm, t, view, example(v).device) for t, view in zip(cap.tables, cap.views)]
+            tables = [_table_input(g, t, view, example(v).device) for t, view in zip(cap.tables, cap.views)]
             out = g.call_function(SCORE_MOD_ATTENTION,
                                   (q, k, vv, valid, q_sides, k_sides, tables, seed),
                                   {"score_mod": key, "normalize": cap.normalize, "causal": causal,
@@ -277,6 +284,30 @@ class FuseAttention(GraphPass):
         node.replace_all_uses_with(out)
         g.erase_node(node)
         return key
+
+
+def _own_key_check(gm: fx.GraphModule, node: fx.Node, cap, info, write_order: WriteOrder) -> fx.GraphModule:
+    """The run-time check that every valid query keeps its own key (``own_key_check``), fed the
+    side values and tables exactly as the fused op gets them; Unsupported when it cannot be built."""
+    layouts = info.layouts
+    valid, negate = (info.validity[0], False) if info.validity else (info.padding[0], True)
+    device = example(node.args[1]).device
+
+    def operands(g: fx.Graph, env, ok: fx.Node):
+        sides = {role: [_side_dense(g, env(s.node), layouts[s.node], ok) for s in cap.sides if s.role == role]
+                 for role in ("q", "k")}
+        tables = [_table_input(g, env(t), view, device) for t, view in zip(cap.tables, cap.views)]
+        return sides["q"], sides["k"], tables
+
+    key = register_score_mod(cap.score_mod, name="captured", kind="score")
+    check = build_own_key_check(gm, valid, negate, [s.node for s in cap.sides] + list(cap.tables), operands, key,
+                                cap.heads, write_order.writes_to)
+    if isinstance(check, str):
+        raise Unsupported(f"the attention mask also reads {' and '.join(cap.unknown_own_key)}, per-token data other "
+                          f"than the padding, which may mask every key of a valid query (eager's softmax then spreads "
+                          f"over every position, padded ones too), and no run-time check of it can be built: {check}",
+                          node)
+    return check
 
 
 def _worth_fusing_unpadded(cap, causal: bool, expansion, node: fx.Node) -> None:
@@ -318,13 +349,12 @@ def _valid_before(g: fx.Graph, node: fx.Node, info) -> fx.Node:
     return valid if source in info.validity else g.call_function(torch.logical_not, (valid,))
 
 
-def _table_input(gm: fx.GraphModule, leaf: fx.Node, view: TableView | None, device=None) -> fx.Node:
+def _table_input(g: fx.Graph, leaf: fx.Node, view: TableView | None, device=None) -> fx.Node:
     """A gathered table as is; a symbolic size (``/ N`` of a dynamic graph) as a 0-d tensor; a
     per-pair / per-head tensor compacted to its varying axes (``[H?, N?, N?]``, the order the
     score_mod indexes; its other axes have size 1 and are squeezed, so no size is written into
     the graph), through a runtime check of the value the proof used when that value came from a
     buffer or tensor attribute."""
-    g = gm.graph
     if is_size_scalar(leaf):
         dtype = torch.int64 if isinstance(example(leaf), torch.SymInt) else torch.float64
         return g.call_function(torch.scalar_tensor, (leaf,), {"dtype": dtype, "device": device})
