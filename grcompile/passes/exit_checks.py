@@ -53,9 +53,11 @@ def row_map(valid: torch.Tensor) -> torch.Tensor:
     return torch.arange(B, device=valid.device).reshape(B, 1).expand(B, N)
 
 
-def reads_satisfy_exit(valid: torch.Tensor, read_valid: torch.Tensor, read_rows: torch.Tensor) -> bool:
+def reads_satisfy_exit(valid: torch.Tensor, read_valid: torch.Tensor, read_rows: torch.Tensor,
+                       row_axes: tuple[int, ...]) -> bool:
     """Every read lands on a valid position, or in an empty row that is the output's own row (the
-    read row equals the output coordinate along one of its axes of size B)."""
+    read row equals the output coordinate along one of its axes of size B among ``row_axes``: the
+    axes whose values stay in their row downstream, ``jagged_exits.confined_row_axes``)."""
     if read_valid.numel() == 0:
         return True
     nonempty = valid.bool().any(dim=1)
@@ -65,7 +67,7 @@ def reads_satisfy_exit(valid: torch.Tensor, read_valid: torch.Tensor, read_rows:
         return True  # every read is valid: which row it came from is the user's own choice
     B = valid.shape[0]
     for axis in range(read_rows.dim()):
-        if read_rows.shape[axis] != B:
+        if read_rows.shape[axis] != B or axis not in row_axes:
             continue
         coord = torch.arange(B, device=read_rows.device).reshape([B if a == axis else 1 for a in range(read_rows.dim())])
         if torch.equal(read_rows, coord.expand_as(read_rows)):
@@ -74,7 +76,7 @@ def reads_satisfy_exit(valid: torch.Tensor, read_valid: torch.Tensor, read_rows:
 
 
 def build_read_check(gm: fx.GraphModule, u: fx.Node, x: fx.Node, layout: Token, valid: fx.Node,
-                     written: dict[fx.Node, list[fx.Node]]) -> fx.GraphModule | str:
+                     written: dict[fx.Node, list[fx.Node]], row_axes: set[int]) -> fx.GraphModule | str:
     """A graph over ``gm``'s inputs returning True when this call's reads of ``u`` satisfy the
     jagged exit (module docstring), or why no such check can be built (a sentence). ``written``:
     ``effects.written_aliases`` of the graph."""
@@ -109,7 +111,7 @@ def build_read_check(gm: fx.GraphModule, u: fx.Node, x: fx.Node, layout: Token, 
     rows_x = g.call_function(spread_over, (g.call_function(row_map, (env[valid],)), *spread))
     read_valid = g.node_copy(u, lambda a: valid_x if a is x else env[a])
     read_rows = g.node_copy(u, lambda a: rows_x if a is x else env[a])
-    g.output(g.call_function(reads_satisfy_exit, (env[valid], read_valid, read_rows)))
+    g.output(g.call_function(reads_satisfy_exit, (env[valid], read_valid, read_rows, tuple(sorted(row_axes)))))
     return fx.GraphModule(gm, g, class_name="ExitReadCheck")
 
 

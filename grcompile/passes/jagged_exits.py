@@ -30,9 +30,9 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .layout import Token, feature_axes
+from .layout import Token, feature_axes, propagate
 from .op_semantics import arg, canonical, describe_op, evaluate, example, shape_of
-from .symbolic import is_symbolic
+from .symbolic import is_symbolic, known_eq
 
 _SELECT_METHODS = ("gather", "select", "index_select", "narrow", "take_along_dim")
 _SELECT_FUNCTIONS = {torch.gather: "gather", torch.select: "select", torch.index_select: "index_select",
@@ -152,6 +152,40 @@ class ExitEmitter:
         return self._emit(operator.getitem, ext, address)
 
 
+def confined_row_axes(u: fx.Node, layouts: dict, B) -> set[int]:
+    """The axes ``a`` of selection ``u`` (size B) such that, were ``a`` the rows, every value
+    computed from ``u`` keeps it as its own row axis up to the graph output (per-row ops: linear,
+    norms, point-wise math with per-row or per-token values, reductions over other axes). Only then
+    can the empty-row rule give a row without valid positions 0: that value reaches no other row's
+    output (a loss summed over the batch, an einsum across rows would carry it there)."""
+    shape = shape_of(u)
+    if shape is None:
+        return set()
+    order = {n: i for i, n in enumerate(u.graph.nodes)}
+    downstream: set[fx.Node] = set()
+    stack = [u]
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if user not in downstream and user.op != "output":
+                downstream.add(user)
+                stack.append(user)
+    axes = set()
+    for a, size in enumerate(shape):
+        if not (known_eq(size, B) or is_symbolic(size)):
+            continue
+        env = dict(layouts)
+        env[u] = Token(a, None, len(shape))
+        for n in sorted(downstream, key=order.__getitem__):
+            layout = propagate(n, env)
+            if not (isinstance(layout, Token) and layout.batch is not None):
+                break
+            env[n] = layout
+        else:
+            axes.add(a)
+    return axes
+
+
 # ------------------------------------------------------------------ proof of valid reads
 
 _ROW_LOCAL_OPS = ("ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "add", "sub", "mul", "div", "neg",
@@ -160,7 +194,7 @@ _ROW_LOCAL_OPS = ("ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "add",
 
 
 def prove_reads_valid(u: fx.Node, x: fx.Node, layout: Token, valid: fx.Node, layouts: dict,
-                      B: int, N: int) -> str | None:
+                      B: int, N: int, row_axes: set[int]) -> str | None:
     """None when every element ``u`` reads from ``x`` lies at a valid position of a non-empty row,
     for every per-row ``lengths`` value; else the reason (a sentence) why that is not proved.
 
@@ -242,8 +276,11 @@ def prove_reads_valid(u: fx.Node, x: fx.Node, layout: Token, valid: fx.Node, lay
     if expected_rows is None:
         return f"{u.name} raises for every lengths value"
     # a row's reads must come from that row: rows read per output element equal along u's batch axis
-    if not _rows_follow_output(expected_rows, B):
+    if not _rows_follow_output(expected_rows, B, range(expected_rows.dim())):
         return f"{u.name} reads one row's positions for another row's output"
+    if not _rows_follow_output(expected_rows, B, row_axes):
+        return (f"{u.name} reads padding in rows without valid positions, and what it gives such a row reaches "
+                f"other rows' values downstream (an op across rows)")
     return None
 
 
@@ -263,10 +300,10 @@ def _with(u: fx.Node, x: fx.Node, replacement: torch.Tensor, env: dict) -> tuple
     return args, kwargs
 
 
-def _rows_follow_output(read_rows: torch.Tensor, B: int) -> bool:
-    """Some axis of ``read_rows`` is the row axis: the read row equals the coordinate on it."""
+def _rows_follow_output(read_rows: torch.Tensor, B: int, axes) -> bool:
+    """One of ``axes`` of ``read_rows`` is the row axis: the read row equals the coordinate on it."""
     for axis, size in enumerate(read_rows.shape):
-        if size != B:
+        if size != B or axis not in axes:
             continue
         coord = torch.arange(B).reshape([B if a == axis else 1 for a in range(read_rows.dim())])
         if torch.equal(read_rows, coord.expand_as(read_rows)):

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from .attention_capture import ANY, Unsupported, _Any, _eval_abstract, is_masked, side_value
+from .attention_capture import ANY, Unsupported, _Any, _eval_abstract, _factory_fill, is_masked, side_value
 from .layout import Flat, Token, TupleOf, propagate, token_axes
 from .op_semantics import arg, canonical, shape_of
 from .symbolic import is_one
@@ -104,6 +104,11 @@ class ZeroAtPadding:
             return a
         if a in self.members:
             return torch.zeros(()) if self(a) else ANY
+        if self.layouts.get(a) is None and not all(is_one(s) for s in (shape_of(a) or ())):
+            # no layout says which of its elements sits at which token (``valid.t().reshape(-1)``
+            # lined up with flattened tokens): only a tensor holding one value everywhere is known
+            fill = _factory_fill(a) if canonical(a) == "factory" else None
+            return ANY if fill is None else torch.tensor(fill)
         return side_value(a, torch.tensor(False), self.validity, self.padding)
 
     def _prove(self, n: fx.Node) -> bool:

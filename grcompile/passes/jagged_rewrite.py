@@ -28,7 +28,7 @@ from ..lowering.pack import PACK_INDEX
 from .attention_capture import Unsupported, side_value, _Any
 from .detect_padding import analyse
 from .exit_checks import build_read_check
-from .jagged_exits import ExitEmitter, prove_reads_valid, segment_kind, selection_kind
+from .jagged_exits import ExitEmitter, confined_row_axes, prove_reads_valid, segment_kind, selection_kind
 from .jagged_region import ZeroAtPadding, feature_index, hoist_validity, sequence_softmaxes, shrink, tiled_along
 from . import row_spellings
 from .layout import Flat, Pair, Token, TupleOf, feature_axes, token_axes
@@ -140,7 +140,7 @@ class _Rewriter:
         self.B, self.N = info.batch, info.seq_len  # ints, or SymInts after a shape change: compare with
         self._sizes = SizeArgs(gm)                  # symbolic.known_eq, emit through self._size
         self.jagged: dict[fx.Node, fx.Node] = {}
-        self.packed: dict[fx.Node, fx.Node] = {}
+        self.packed: dict[tuple[fx.Node, object], fx.Node] = {}  # (tensor, layout read with) -> values
         self.notes: list[tuple[fx.Node, str]] = []
         self.counts: dict[str, int] = {}
         self.write_order = WriteOrder(self.g)  # before any conversion: the user's program order
@@ -204,10 +204,12 @@ class _Rewriter:
         does not, for non-empty rows)."""
         if (n, u) not in self._proofs:
             if self.info.validity:
-                why = prove_reads_valid(u, n, self.layouts[n], self.info.validity[0], self.layouts, self.B, self.N)
+                rows = confined_row_axes(u, self.layouts, self.B)
+                why = prove_reads_valid(u, n, self.layouts[n], self.info.validity[0], self.layouts, self.B, self.N,
+                                        rows)
                 if why is not None:
                     check = build_read_check(self.gm, u, n, self.layouts[n], self.info.validity[0],
-                                             self.write_order.writes_to)
+                                             self.write_order.writes_to, rows)
                     if isinstance(check, fx.GraphModule):
                         self._read_checks[(n, u)] = (check, why)
                         why = None  # proved on each call instead
@@ -367,9 +369,9 @@ class _Rewriter:
     def _pack(self, x: fx.Node, layout: Token | Flat | None = None) -> fx.Node:
         """A Token or Flat tensor from outside the region as ``[T, *features]`` (``layout``: the
         one ``x`` is read with when the analysis gave it none, see ``_aligned_rows``)."""
-        if x in self.packed:
-            return self.packed[x]
         layout, shape = layout or self.layouts[x], shape_of(x)
+        if (x, layout) in self.packed:
+            return self.packed[(x, layout)]
         g = self.g
         nodes = list(g.nodes)
         point = x if nodes.index(x) > nodes.index(self.offsets) else self.offsets
@@ -386,7 +388,7 @@ class _Rewriter:
             if not known_eq(shape[layout.axis], self.B * self.N):
                 raise Unsupported(f"cannot pack {x.name} {shape}", x)
             y = emit("function", operator.getitem, y, self.index)
-            self.packed[x] = y
+            self.packed[(x, layout)] = y
             return y
         b = shape[layout.batch] if layout.batch is not None else 1
         s = shape[layout.seq] if layout.seq is not None else 1
@@ -402,7 +404,7 @@ class _Rewriter:
         if layout.batch is not None and layout.seq is not None:
             y = emit("method", "flatten", y, 0, 1)
         y = emit("function", operator.getitem, y, idx)
-        self.packed[x] = y
+        self.packed[(x, layout)] = y
         return y
 
     def _operand(self, a, n: fx.Node):
@@ -449,6 +451,8 @@ class _Rewriter:
         out_feats = feature_axes(out_layout)
         if mapped != out_feats[len(out_feats) - len(mapped):]:
             raise Unsupported(f"{a.name} broadcasts across feature axes in a way the jagged form cannot keep", n)
+        for _ in range(len(out_feats) - len(mapped)):  # [T, *f] against [T, *g, *f]: T stays first
+            value = self.g.call_method("unsqueeze", (value, 1))
         return value
 
     def _one_row(self, a: fx.Node, out_layout: Token) -> fx.Node:
@@ -544,14 +548,14 @@ class _Rewriter:
             shape = shape_of(n)
             sizes = [self._size(shape[a]) for a in feature_axes(out_layout)]
             value = J(x)
-            if op == "expand" and isinstance(self.layouts.get(x), Token):
-                # a size-1 feature axis of the input that the expand makes a token axis
-                # (``pe.unsqueeze(0).expand(B, N, D)``) is already the jagged values' row axis
-                in_layout, in_shape = self.layouts[x], shape_of(x)
-                offset = out_layout.ndim - in_layout.ndim
-                kept = [a for a in feature_axes(in_layout) if a + offset in feature_axes(out_layout)]
-                if len(kept) != len(feature_axes(in_layout)):
-                    value = g.call_method("reshape", (value, -1, *[self._size(in_shape[a]) for a in kept]))
+            if op == "expand":
+                # the input's features in the output's feature order: a new leading axis is 1, and
+                # a size-1 input feature the expand makes a token axis (``pe.unsqueeze(0).expand(B,
+                # N, D)``) is already the jagged values' row axis
+                in_shape = shape_of(x)
+                offset = out_layout.ndim - len(in_shape)
+                aligned = [1 if a < offset else self._size(in_shape[a - offset]) for a in feature_axes(out_layout)]
+                value = g.call_method("reshape", (value, -1, *aligned))
             return g.call_method("reshape" if op == "reshape" else "expand", (value, -1, *sizes))
         if op == "unsqueeze":
             d = arg(n, 1, "dim")

@@ -250,6 +250,8 @@ def _einsum(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
                 return None
             if role == "n" and letter not in seq_letters:
                 seq_letters.append(letter)
+    if sum(r == "b" for r in roles.values()) > 1:
+        return None  # two operands' rows on different letters: one row reads another's
     batch = [out.index(l) for l, r in roles.items() if r == "b" and l in out]
     b = batch[0] if batch else None
     kept = [l for l in seq_letters if l in out]

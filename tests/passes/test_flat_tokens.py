@@ -155,3 +155,52 @@ def test_layout_rules_merge_only_rows_then_positions():
     x.meta["example_value"] = torch.empty(24, 3)
     assert node("view", 4, 6, 3, shape=(4, 6, 3)) == Token(0, 1, 3)
     assert node("view", 6, 4, 3, shape=(6, 4, 3)) is None  # not (rows, positions)
+
+
+class Adversarial(nn.Module):
+    """Spellings that look row-wise but are not, or that broadcast the flattened tokens against
+    other axes (found in review): each must be exact, jagged or not."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.item = nn.Embedding(V, D, padding_idx=0)
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids):
+        h = self.norm(self.item(ids))  # not zero at padding
+        valid = ids != 0
+        target = (ids * 7 + 3) % V
+        s = self.spelling
+        if s == "einsum_across_rows":  # row b reads every row c at its position n
+            return (torch.einsum("bnd,cnd->bn", h, self.head(h)[..., :D]) * valid).sum()
+        loss = F.cross_entropy(self.head(h).view(-1, V), target.view(-1), reduction="none")
+        if s == "row_mask_expanded":  # one flag per row, broadcast over its positions
+            return (loss * valid[:, -1:].expand_as(valid).reshape(-1)).sum()
+        if s == "column_major_mask":
+            return (loss * valid.transpose(0, 1).reshape(-1)).sum()
+        if s == "flat_axis_second":  # [V, B·N] times a per-token weight
+            x = self.head(h).flatten(0, 1).transpose(0, 1)
+            w = (target.flatten() % 3).to(h.dtype)
+            return ((x * w * valid.flatten()).sum(0) * valid.flatten()).sum()
+        if s == "layoutless_leading_axis":  # [3, B·N] without a layout, gathered on the flat axis
+            w = torch.arange(3 * loss.shape[0], dtype=h.dtype).view(3, -1)
+            return ((loss * w) * valid.view(-1)).sum()
+        if s == "expand_leading":
+            return (loss.expand(3, -1) * valid.view(-1)).sum()
+        if s == "both_orientations":  # one [B·N, B·N] tensor read along either axis
+            m = torch.arange(loss.shape[0] ** 2, dtype=h.dtype).view(loss.shape[0], -1) / loss.shape[0] ** 2
+            z = loss[:, None] * m + (loss[None, :] * m.transpose(0, 1)).transpose(0, 1)
+            return (z.sum(-1) * valid.flatten()).sum()
+        raise ValueError(s)
+
+
+@pytest.mark.parametrize("lengths", [[0, 1, N, 5, 3], [N, N, N, N, N, 0], [1, 2, 0]])
+@pytest.mark.parametrize("spelling", ["einsum_across_rows", "row_mask_expanded", "column_major_mask",
+                                      "flat_axis_second", "layoutless_leading_axis", "expand_leading",
+                                      "both_orientations"])
+def test_adversarial_spellings_stay_exact(spelling, lengths):
+    torch.manual_seed(3)
+    model = Adversarial(spelling).double()
+    check(model, (make_ids(lengths, "left" if spelling == "row_mask_expanded" else "right"),), _whole, train=True)
