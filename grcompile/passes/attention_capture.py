@@ -921,11 +921,42 @@ def prove(cap: Capture, validity: set[fx.Node], N: int, padding: set[fx.Node] = 
         if not (cap.empty_rows_zero and skipped_inf) and \
                 is_masked(abstract_eval(mod, inputs(diag, diag, true, true)), "softmax"):
             raise Unsupported("a valid query may have every key masked (softmax over an empty set)", cap.score)
+        if not (cap.empty_rows_zero and skipped_inf):
+            condition = _score_decides_mask(cap.score_mod)
+            if condition is not None:
+                raise Unsupported(f"the attention mask depends on the scores themselves ({condition}): a valid query "
+                                  f"may lose every key, where eager's softmax spreads over every position, padded "
+                                  f"ones too, and a fused one cannot", cap.score)
         if not all_valid and not (cap.empty_rows_zero and skipped_inf):
             # per-token data other than the validity may mask a valid query's every key: the
             # fusion then needs a run-time check of its own key (fuse_attention builds it)
             cap.unknown_own_key = _unknown_sides_on_diagonal(cap, mod, N, heads, validity, padding)
     return causal
+
+
+def _score_decides_mask(mod: fx.GraphModule) -> str | None:
+    """How the raw score reaches a mask decision inside the score_mod (a comparison, the condition
+    of ``where`` / ``masked_fill``: ``where(s > t, s, -1e9)``), or None. The proof's stand-ins for
+    the score say nothing about such masks."""
+    score = next((n for n in mod.graph.nodes if n.op == "placeholder"), None)
+    if score is None or score.name != "score":
+        return None
+    reached, stack = set(), [score]
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if user not in reached:
+                reached.add(user)
+                stack.append(user)
+    for n in mod.graph.nodes:
+        if n not in reached:
+            continue
+        op = canonical(n)
+        decides = (op in _COMPARE or (op == "where" and n.args and n.args[0] in reached | {score})
+                   or (op == "masked_fill" and len(n.args) > 1 and n.args[1] in reached | {score}))
+        if decides:
+            return f"{describe_op(n)} on a value computed from q·k"
+    return None
 
 
 def _unknown_sides_on_diagonal(cap: Capture, mod: fx.GraphModule, N: int, heads: list, validity: set[fx.Node],

@@ -65,6 +65,14 @@ def _describe(node: fx.Node, negated: bool = False) -> str | None:
     return None
 
 
+def _as_validity(description: str) -> str:
+    """One spelling for a comparison and its negation: ``ids == 0`` and ``~(ids == 0)`` both read
+    ``ids != 0`` (the first marks padding, the second validity: the same information)."""
+    if description.startswith("~(") and description.endswith(")"):
+        description = description[2:-1]
+    return description.replace(" == ", " != ")
+
+
 def _involves_arange(node: fx.Node, depth: int = 3) -> bool:
     if canonical(node) == "arange":
         return True
@@ -115,8 +123,11 @@ def analyse(gm: fx.GraphModule) -> PaddingInfo | None:
         return None  # some op mixes rows and positions: no layout can be trusted
     B, N = shape_of(first)
     layouts = _layouts(gm, classes, rows, positions, N)
-    masks = [n for n, _ in candidates if layouts.get(n) == Token(0, 1, 2)
-             and classes.find((n, 0)) == rows and classes.find((n, 1)) == positions]
+    # only spellings of the same comparison are the validity (or its negation, the padding): a
+    # second mask over the batch (`keep != 0`, `attention_mask == 0`) is per-token data like any other
+    described = dict(candidates)
+    masks = [n for n, d in candidates if layouts.get(n) == Token(0, 1, 2) and _as_validity(d) == _as_validity(
+             described[first]) and classes.find((n, 0)) == rows and classes.find((n, 1)) == positions]
     validity = sorted((n for n in masks if n not in is_padding), key=lambda n: -len(n.users))
     padding = sorted((n for n in masks if n in is_padding), key=lambda n: -len(n.users))
     if not masks:

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from .effects import WriteOrder, remove_dead_code
-from .pass_manager import GraphPass, PassContext, node_site
+from .pass_manager import GraphPass, PassContext, ends_at_return, node_site
 from ..lowering.constant_check import CHECK_UNCHANGED, digest
 from ..lowering.score_mod import register_score_mod
 from ..lowering.score_mod_attention import SCORE_MOD_ATTENTION
@@ -42,6 +42,7 @@ from .detect_padding import PADDING, PaddingInfo, analyse, analyse_unpadded
 from .layout import Pair, Token
 from .op_semantics import canonical, describe_op, einsum_parts, example, shape_of
 from .own_key_check import build_own_key_check
+from .padded_queries import padded_rows_reach
 from .symbolic import hoist_sizes, is_one
 
 
@@ -210,7 +211,8 @@ class FuseAttention(GraphPass):
         fused: set[fx.Node] = set()
         layouts, validity, N, B = info.layouts, set(info.validity), info.seq_len, info.batch
         write_order = WriteOrder(gm.graph)  # the fused op reads its operands where the last matmul was
-        for node in list(gm.graph.nodes):
+        planned = []  # every attention is proved before any is emitted: where the padded query rows
+        for node in list(gm.graph.nodes):  # of one go depends on which others hold
             if canonical(node) != "matmul" or not isinstance(layouts.get(node), Token) or \
                     not isinstance(layouts.get(node.args[0]), Pair):
                 continue
@@ -223,14 +225,24 @@ class FuseAttention(GraphPass):
                     _worth_fusing_unpadded(cap, causal, expansion, node)
                 _check_no_write_before(write_order, node, cap, validity)
                 check = _own_key_check(gm, node, cap, info, write_order) if cap.unknown_own_key else None
-                key = self._emit(gm, node, cap, causal, info)
             except Unsupported as e:
-                if expansion is not None:
-                    expansion.reason = str(e)
-                else:
-                    ctx.fallback(e.node or node, str(e))
+                _refused(ctx, expansion, node, e)
                 continue
+            planned.append((node, expansion, cap, causal, check))
+        proved = {p[0] for p in planned}
+        outputs_free = ends_at_return(gm)
+        for node, expansion, cap, causal, check in planned:
+            reads = []
+            if info.unpadded is None:  # with nothing padded there are no padded query rows
+                replaced = {e.original for e in expansions if e.contraction in proved}
+                why, reads = padded_rows_reach(node, info, proved, outputs_free, write_order.writes_to, replaced)
+                if why is not None:
+                    _refused(ctx, expansion, node, Unsupported(f"the fused op gives 0 at padded queries, and {why}", node))
+                    continue
+            key = self._emit(gm, node, cap, causal, info)
             fused.add(node)
+            for selection, read_check, reason in reads:
+                ctx.precondition(read_check, selection, reason)
             if check is not None:
                 ctx.precondition(check, node, (
                     f"each call checks that every valid query keeps its own key under the attention mask, which also "
@@ -284,6 +296,14 @@ class FuseAttention(GraphPass):
         node.replace_all_uses_with(out)
         g.erase_node(node)
         return key
+
+
+def _refused(ctx: PassContext, expansion, node: fx.Node, e: Unsupported) -> None:
+    """A library call that does not fuse is put back with the reason; a written-out one reports it."""
+    if expansion is not None:
+        expansion.reason = str(e)
+    else:
+        ctx.fallback(e.node or node, str(e))
 
 
 def _own_key_check(gm: fx.GraphModule, node: fx.Node, cap, info, write_order: WriteOrder) -> fx.GraphModule:

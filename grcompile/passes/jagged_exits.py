@@ -152,12 +152,14 @@ class ExitEmitter:
         return self._emit(operator.getitem, ext, address)
 
 
-def confined_row_axes(u: fx.Node, layouts: dict, B) -> set[int]:
+def confined_row_axes(u: fx.Node, layouts: dict, B, outputs_free: bool) -> set[int]:
     """The axes ``a`` of selection ``u`` (size B) such that, were ``a`` the rows, every value
     computed from ``u`` keeps it as its own row axis up to the graph output (per-row ops: linear,
     norms, point-wise math with per-row or per-token values, reductions over other axes). Only then
     can the empty-row rule give a row without valid positions 0: that value reaches no other row's
-    output (a loss summed over the batch, an einsum across rows would carry it there)."""
+    output (a loss summed over the batch, an einsum across rows would carry it there). A graph that
+    does not end at the frame's return (``outputs_free`` false: a graph break) hands its outputs
+    to code that may mix rows: then none."""
     shape = shape_of(u)
     if shape is None:
         return set()
@@ -167,6 +169,8 @@ def confined_row_axes(u: fx.Node, layouts: dict, B) -> set[int]:
     while stack:
         n = stack.pop()
         for user in n.users:
+            if user.op == "output" and not outputs_free:
+                return set()
             if user not in downstream and user.op != "output":
                 downstream.add(user)
                 stack.append(user)

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from .effects import WriteOrder, remove_dead_code
-from .pass_manager import GraphPass, PassContext, copy_graph, node_site
+from .pass_manager import GraphPass, PassContext, copy_graph, ends_at_return, node_site
 from ..lowering.attention import JAGGED_ATTENTION
 from ..lowering.jagged import jagged_to_dense, segment_softmax, valid_to_offsets
 from ..lowering.pack import PACK_INDEX
@@ -66,8 +66,7 @@ class JaggedRewrite(GraphPass):
             return
         # the graph ends at the frame's return (no graph break): its outputs are what the user gets,
         # and their padded positions are not part of the contract (exact at valid positions)
-        reason = getattr(gm, "compile_subgraph_reason", None)
-        outputs_free = reason is not None and getattr(reason, "graph_break", True) is False
+        outputs_free = ends_at_return(gm)
         dense: dict[str, str] = {}  # region nodes whose jagged form failed: kept dense, retried
         while True:
             try:
@@ -204,7 +203,7 @@ class _Rewriter:
         does not, for non-empty rows)."""
         if (n, u) not in self._proofs:
             if self.info.validity:
-                rows = confined_row_axes(u, self.layouts, self.B)
+                rows = confined_row_axes(u, self.layouts, self.B, self.outputs_free)
                 why = prove_reads_valid(u, n, self.layouts[n], self.info.validity[0], self.layouts, self.B, self.N,
                                         rows)
                 if why is not None:

@@ -24,6 +24,13 @@ __all__ = ["GraphPass", "PassContext", "PassResult", "copy_graph", "node_site", 
            "substitute"]
 
 
+def ends_at_return(gm: fx.GraphModule) -> bool:
+    """The graph ends at the frame's return (no graph break after it): its outputs are what the
+    user gets, and their padded positions are not part of the contract."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    return reason is not None and getattr(reason, "graph_break", True) is False
+
+
 class GraphPass:
     """One graph transformation. Subclasses implement ``__call__``.
 

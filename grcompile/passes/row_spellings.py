@@ -28,7 +28,8 @@ def _ones(value, one: int) -> bool:
     return value == one
 
 
-def _pointwise_conv(n: fx.Node) -> bool:
+def pointwise_conv(n: fx.Node) -> bool:
+    """``conv1d`` with a kernel of 1, stride 1, no padding, one group: a linear map per position."""
     try:
         if n.op != "call_function" or n.target not in _CONV1D:
             return False
@@ -57,7 +58,7 @@ def normalise(gm: fx.GraphModule) -> dict[str, int]:
     g = gm.graph
     counts = {"conv1x1_as_linear": 0, "moments_keywords": 0}
     for n in list(g.nodes):
-        if _pointwise_conv(n):
+        if pointwise_conv(n):
             x, w, b = n.args[0], arg(n, 1, "weight"), arg(n, 2, "bias")
             with g.inserting_before(n):
                 xt = g.call_method("transpose", (x, -1, -2))
