@@ -26,7 +26,7 @@ from .layout import Token
 from .op_semantics import canonical, is_random, shape_of
 from .symbolic import static_int
 
-__all__ = ["build_read_check", "reads_satisfy_exit", "spread_over"]
+__all__ = ["build_read_check", "reads_satisfy_exit", "recompute_before", "spread_over"]
 
 _MAX_NODES = 256
 # ops the check may recompute: cheap, deterministic, row-local or size arithmetic
@@ -91,20 +91,10 @@ def build_read_check(gm: fx.GraphModule, u: fx.Node, x: fx.Node, layout: Token, 
         if s is None:
             return f"{x.name} has a feature axis of symbolic size {size}"
         features[axis] = s
-    needed = _ancestors([valid, *[a for a in u.all_input_nodes if a is not x]], x)
-    if isinstance(needed, str):
-        return needed
-    if (hit := next((n for n in needed if n in written), None)) is not None:
-        # the check runs before the graph: it would see the value before the write
-        return f"{hit.name} is written in place ({written[hit][0].name}), so it cannot be checked before the graph runs"
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            env[n] = g.placeholder(n.name, type_expr=n.type)
-            env[n].meta.update(n.meta)
-        elif n in needed:
-            env[n] = g.node_copy(n, lambda a: env[a])
+    copied = recompute_before(gm, [valid, *[a for a in u.all_input_nodes if a is not x]], x, written)
+    if isinstance(copied, str):
+        return copied
+    g, env = copied
     nd = len(shape)
     spread = (nd, layout.batch, layout.seq, features)
     valid_x = g.call_function(spread_over, (g.call_function(torch.Tensor.bool, (env[valid],)), *spread))
@@ -115,7 +105,28 @@ def build_read_check(gm: fx.GraphModule, u: fx.Node, x: fx.Node, layout: Token, 
     return fx.GraphModule(gm, g, class_name="ExitReadCheck")
 
 
-def _ancestors(starts: list[fx.Node], x: fx.Node) -> set[fx.Node] | str:
+def recompute_before(gm: fx.GraphModule, starts: list[fx.Node], avoid: fx.Node | None,
+                     written: dict) -> tuple[fx.Graph, dict[fx.Node, fx.Node]] | str:
+    """A new graph over ``gm``'s inputs recomputing ``starts`` (cheap, deterministic ops only,
+    never ``avoid``), and the map from ``gm``'s nodes to their copies; or why it cannot be built.
+    It runs before the graph, so nothing it reads may be written in place (``written``)."""
+    needed = _ancestors(starts, avoid)
+    if isinstance(needed, str):
+        return needed
+    if (hit := next((n for n in needed if n in written), None)) is not None:
+        return f"{hit.name} is written in place ({written[hit][0].name}), so it cannot be checked before the graph runs"
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = g.placeholder(n.name, type_expr=n.type)
+            env[n].meta.update(n.meta)
+        elif n in needed:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    return g, env
+
+
+def _ancestors(starts: list[fx.Node], x: fx.Node | None) -> set[fx.Node] | str:
     """The nodes computing ``starts`` from the graph's inputs with cheap, deterministic ops (no
     embedding, linear, matmul or softmax: so none of them is an activation); else why not."""
     seen: set[fx.Node] = set()

@@ -8,7 +8,7 @@ logit equally masked) or gives NaN; the fused op skips padded and later keys and
 Where each valid query keeps its own key, there is at least one unmasked key and the two agree.
 
 Emits a small graph over the captured graph's inputs that recomputes the validity, the side values
-and the tables (cheap, deterministic ops only: ``exit_checks._ancestors``) and evaluates the
+and the tables (cheap, deterministic ops only: ``exit_checks.recompute_before``) and evaluates the
 captured score_mod on every token's own (query, key) pair, with a zero score (the proof's stand-in
 for a finite ``q·k``): True when each valid token's logit is finite and above the masked
 threshold. O(B·N·H) work, no activation. The backend runs the optimized graph where it holds and
@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from ..lowering.score_mod import get_score_mod
 from .attention_capture import MASKED_LOGIT
-from .exit_checks import _ancestors
+from .exit_checks import recompute_before
 
 __all__ = ["build_own_key_check", "own_keys_kept"]
 
@@ -55,19 +55,10 @@ def build_own_key_check(gm: fx.GraphModule, valid: fx.Node, negate: bool, starts
     built (a sentence). ``valid``: the validity (``negate``: a padding mask); ``starts``: the side
     values and tables the check reads; ``operands(g, env, valid)`` emits the op's dense sides and
     table inputs in ``g`` from copied nodes (``env``), as the fused op receives them."""
-    needed = _ancestors([valid, *starts], None)
-    if isinstance(needed, str):
-        return needed
-    if (hit := next((n for n in needed if n in writes_to), None)) is not None:
-        return f"{hit.name} is written in place, so it cannot be checked before the graph runs"
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            env[n] = g.placeholder(n.name, type_expr=n.type)
-            env[n].meta.update(n.meta)
-        elif n in needed:
-            env[n] = g.node_copy(n, lambda a: env[a])
+    copied = recompute_before(gm, [valid, *starts], None, writes_to)
+    if isinstance(copied, str):
+        return copied
+    g, env = copied
     ok = env[valid] if not negate else g.call_function(torch.logical_not, (env[valid],))
     q_sides, k_sides, tables = operands(g, env.__getitem__, ok)
     g.output(g.call_function(own_keys_kept, (ok, q_sides, k_sides, tables, key, heads)))
