@@ -776,18 +776,32 @@ def _keeps_own_key(cap: Capture, mod: fx.GraphModule, N: int, heads: list) -> bo
     or anything else unknown makes it unprovable."""
     if cap.sides or any(view is not None and view.static is None for view in cap.views):
         return False
-    tables = []
+    tables = _table_stand_ins(cap)
+    if any(t is ANY for t in tables):
+        return False  # a symbolic-size table: no concrete stand-in
+    return _diagonal_kept(mod, N, heads, [], tables)
+
+
+def _table_stand_ins(cap: Capture) -> list[Any]:
+    """What the diagonal proofs feed for each table: a per-pair tensor's compile-time value, zeros
+    for a learned table (a finite stand-in), ``ANY`` where neither is known."""
+    tables: list[Any] = []
     for t, view in zip(cap.tables, cap.views):
         if view is not None:
-            tables.append(view.static)
+            tables.append(view.static if view.static is not None else ANY)
             continue
         ex = example(t)
-        if not isinstance(ex, torch.Tensor) or not all(isinstance(n, int) for n in ex.shape):
-            return False  # a symbolic-size table: no concrete stand-in
-        tables.append(torch.zeros(tuple(ex.shape), dtype=ex.dtype))
+        concrete = isinstance(ex, torch.Tensor) and all(isinstance(n, int) for n in ex.shape)
+        tables.append(torch.zeros(tuple(ex.shape), dtype=ex.dtype) if concrete else ANY)
+    return tables
+
+
+def _diagonal_kept(mod: fx.GraphModule, N: int, heads: list, sides: list, tables: list) -> bool:
+    """The score_mod on every (i, i), for a finite score (0) and these side values and tables, is
+    a known finite logit above the masked threshold."""
     diag = torch.arange(N)[None]
     try:
-        value = abstract_eval(mod, [torch.zeros(()), diag, diag, *heads, *tables])
+        value = abstract_eval(mod, [torch.zeros(()), diag, diag, *heads, *sides, *tables])
     except (IndexError, RuntimeError):  # a lookup outside a zero table's range: not provable here
         return False
     return _finite(value) and not is_masked(value, "softmax")
@@ -941,13 +955,7 @@ def _score_decides_mask(mod: fx.GraphModule) -> str | None:
     score = next((n for n in mod.graph.nodes if n.op == "placeholder"), None)
     if score is None or score.name != "score":
         return None
-    reached, stack = set(), [score]
-    while stack:
-        n = stack.pop()
-        for user in n.users:
-            if user not in reached:
-                reached.add(user)
-                stack.append(user)
+    reached = _computed_from(score)
     for n in mod.graph.nodes:
         if n not in reached:
             continue
@@ -970,23 +978,10 @@ def _unknown_sides_on_diagonal(cap: Capture, mod: fx.GraphModule, N: int, heads:
     placeholders = [n for n in mod.graph.nodes if n.op == "placeholder"]
     first_side = 3 + len(heads)
     unknown = [i for i, v in enumerate(values) if isinstance(v, _Any)]
-    reaching = [i for i in unknown if _reaches_output(placeholders[first_side + i])]
+    reaching = [i for i in unknown if any(n.op == "output" for n in _computed_from(placeholders[first_side + i]))]
     if not reaching:
         return []
-    tables = []
-    for t, view in zip(cap.tables, cap.views):
-        if view is not None:
-            tables.append(view.static if view.static is not None else ANY)
-            continue
-        ex = example(t)
-        finite_stand_in = isinstance(ex, torch.Tensor) and all(isinstance(n, int) for n in ex.shape)
-        tables.append(torch.zeros(tuple(ex.shape), dtype=ex.dtype) if finite_stand_in else ANY)
-    diag = torch.arange(N)[None]
-    try:
-        value = abstract_eval(mod, [torch.zeros(()), diag, diag, *heads, *values, *tables])
-    except (IndexError, RuntimeError):
-        value = ANY
-    if _finite(value) and not is_masked(value, "softmax"):
+    if _diagonal_kept(mod, N, heads, values, _table_stand_ins(cap)):
         return []
     return sorted({_user_name(cap.sides[i].node) for i in reaching})
 
@@ -999,13 +994,13 @@ def _user_name(node: fx.Node) -> str:
     return f"{node.name} ({node_site(node)})"
 
 
-def _reaches_output(node: fx.Node) -> bool:
-    stack, seen = [node], set()
+def _computed_from(node: fx.Node) -> set[fx.Node]:
+    """Every node that reads ``node``, directly or through others (the output node included)."""
+    reached: set[fx.Node] = set()
+    stack = [node]
     while stack:
-        n = stack.pop()
-        if n.op == "output":
-            return True
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.users)
-    return False
+        for user in stack.pop().users:
+            if user not in reached:
+                reached.add(user)
+                stack.append(user)
+    return reached

@@ -76,6 +76,17 @@ def hoist_validity(g: fx.Graph, mask: fx.Node, first: fx.Node, members: set[fx.N
     return len(closure)
 
 
+def unaligned_value(a: fx.Node, layouts: dict):
+    """For a tensor that varies but has no layout — nothing says which of its elements sits at
+    which token (``valid.t().reshape(-1)`` lined up with flattened tokens) — what is known of it
+    at a padded token: the one value a factory fills it with, else ``ANY``. None when it has a
+    layout or is a broadcast (then ``side_value`` reads it)."""
+    if layouts.get(a) is not None or all(is_one(s) for s in (shape_of(a) or ())):
+        return None
+    fill = _factory_fill(a) if canonical(a) == "factory" else None
+    return ANY if fill is None else torch.tensor(fill)
+
+
 class ZeroAtPadding:
     """Memoised ``value is 0 at every padded position`` for the nodes of a region.
 
@@ -104,11 +115,9 @@ class ZeroAtPadding:
             return a
         if a in self.members:
             return torch.zeros(()) if self(a) else ANY
-        if self.layouts.get(a) is None and not all(is_one(s) for s in (shape_of(a) or ())):
-            # no layout says which of its elements sits at which token (``valid.t().reshape(-1)``
-            # lined up with flattened tokens): only a tensor holding one value everywhere is known
-            fill = _factory_fill(a) if canonical(a) == "factory" else None
-            return ANY if fill is None else torch.tensor(fill)
+        unaligned = unaligned_value(a, self.layouts)
+        if unaligned is not None:
+            return unaligned
         return side_value(a, torch.tensor(False), self.validity, self.padding)
 
     def _prove(self, n: fx.Node) -> bool:

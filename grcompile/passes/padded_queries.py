@@ -24,15 +24,14 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .attention_capture import ANY, _Any, _eval_abstract, _factory_fill, side_value
+from .attention_capture import ANY, _Any, _eval_abstract, side_value
 from .exit_checks import build_read_check
 from .jagged_exits import confined_row_axes, prove_reads_valid, selection_kind
-from .jagged_region import sequence_softmaxes
+from .jagged_region import sequence_softmaxes, unaligned_value
 from . import row_spellings
 from .layout import Flat, Pair, Token, TupleOf, propagate
-from .op_semantics import canonical, describe_op, example, shape_of
+from .op_semantics import canonical, describe_op, example
 from .pass_manager import node_site
-from .symbolic import is_one
 
 __all__ = ["padded_rows_reach"]
 
@@ -130,9 +129,9 @@ def _known_at_padding(n: fx.Node, tainted: set[fx.Node], layouts: dict, validity
             return ANY
         if a in seq_soft:
             return torch.zeros(())  # exp(-inf) at a masked position
-        if layouts.get(a) is None and not all(is_one(s) for s in (shape_of(a) or ())):
-            fill = _factory_fill(a) if canonical(a) == "factory" else None
-            return ANY if fill is None else torch.tensor(fill)
+        unaligned = unaligned_value(a, layouts)
+        if unaligned is not None:
+            return unaligned
         if depth and a not in validity and a not in padding and canonical(a) in _FOLLOW:
             try:  # the per-token math on the masks (nan_to_num of a sequence softmax, casts, views)
                 return _eval_abstract(a, fx.node.map_arg(a.args, lambda b: value(b, depth - 1)),
