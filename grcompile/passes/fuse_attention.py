@@ -230,11 +230,11 @@ class FuseAttention(GraphPass):
                 continue
             planned.append((node, expansion, cap, causal, check))
         proved = {p[0] for p in planned}
+        replaced = {e.original for e in expansions if e.contraction in proved}  # dead once fused
         outputs_free = ends_at_return(gm)
         for node, expansion, cap, causal, check in planned:
             reads = []
             if info.unpadded is None:  # with nothing padded there are no padded query rows
-                replaced = {e.original for e in expansions if e.contraction in proved}
                 why, reads = padded_rows_reach(node, info, proved, outputs_free, write_order.writes_to, replaced)
                 if why is not None:
                     _refused(ctx, expansion, node, Unsupported(f"the fused op gives 0 at padded queries, and {why}", node))
