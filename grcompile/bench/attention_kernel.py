@@ -217,6 +217,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         result["sdpa_baseline"] = sdpa_baseline(args)
     if args.sweep and not result["interpreter"]:
         result["sweep"] = sweep(args, tuple(k for k in args.sweep.split(",") if k))
+    from grcompile.lowering.attention.triton import tuned_tiles
+    result["tuned_tiles"] = tuned_tiles()
     what = "interpreter (not a speed)" if result["interpreter"] else result["device"]
     print(f"grcompile attention kernels, {args.rows} x {args.tokens} tokens, {args.heads} heads x {args.head_dim}, "
           f"{args.dtype}, bias {args.bias}, {args.activation}, on {what}")
@@ -227,6 +229,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, r in result.get("sdpa_baseline", {}).items():
         mfu = "" if r["mfu"] is None else f", MFU {r['mfu']:.1%}"
         print(f"  torch sdpa {name} (causal softmax, no bias): {r['ms']:.3f} ms, {r['tflops']:.2f} TFLOP/s{mfu}")
+    for tuned in result["tuned_tiles"]:
+        print(f"  autotuned {tuned['key'][1]} (length bucket {tuned['key'][-1]}): {tuned['chosen']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

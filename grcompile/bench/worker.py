@@ -295,8 +295,15 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "torch_version": torch.__version__,
         "num_threads": torch.get_num_threads(),
         "aot": aot,
+        "tuned_tiles": _tuned_tiles() if cuda and mode == "grcompile" else None,
         **workload.fields,
     }
+
+
+def _tuned_tiles() -> list[dict[str, Any]]:
+    """The attention kernels' autotuned tiles of this run, with every trial's time."""
+    from grcompile.lowering.attention.triton import tuned_tiles
+    return tuned_tiles()
 
 
 def _aot_figures() -> list[dict[str, Any]] | None:

@@ -38,6 +38,8 @@ from typing import Optional
 
 import torch
 
+from .. import autotune
+from ..autotune import TileTuner, device_cache_file
 from ..score_mod import get_score_mod
 from ..score_mod_codegen import HEAD_BOUND, POSITION_BOUND, ScoreModCode, Unsupported, generate
 
@@ -578,25 +580,75 @@ def _is_plain(meta: dict, has_score_mod: bool) -> bool:
     return not has_score_mod and not meta["DROPOUT"]
 
 
-def _launch(module, kernel: str, meta: dict, max_len: int, B: int, *args, plain: bool = False) -> None:
-    """Launch ``kernel`` with its table tile; a tile the device's shared memory cannot hold is
-    replaced by a smaller one (remembered), and TritonFallback when none fits."""
+# Tiles the autotuner times besides the table's (BLOCK_M, BLOCK_N, num_warps, num_stages): the
+# tiles that won a kernel in the H100 sweeps (docs/lowering.md, "Measured on an H100") and the
+# usual flash-attention shapes; a tile over the device's shared memory is skipped.
+TUNE_TILES = {
+    "fwd": [(64, 64, 4, 3), (64, 32, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 3), (128, 64, 4, 3)],
+    "bwd_kv": [(64, 64, 4, 4), (32, 64, 8, 3), (64, 64, 8, 3), (32, 64, 4, 3), (16, 64, 8, 3), (64, 128, 8, 3)],
+    "bwd_q": [(128, 64, 8, 3), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 8, 3), (64, 16, 8, 2)],
+}
+_TUNER: Optional[TileTuner] = None
+
+
+def tuner() -> TileTuner:
+    """The process's tile tuner (its choices persist in the kernel cache directory, per GPU model)."""
+    global _TUNER
+    if _TUNER is None:
+        _TUNER = TileTuner(cache_file=device_cache_file(_CACHE_DIR, torch.cuda.current_device())
+                           if torch.cuda.is_available() else None)
+    return _TUNER
+
+
+def tuned_tiles() -> list[dict]:
+    """The tiles the autotuner chose in this process, with every trial's time (bench JSON)."""
+    return _TUNER.report() if _TUNER is not None else []
+
+
+def _tunes(kernel: str, device: torch.device) -> bool:
+    return (autotune.AUTOTUNE and device.type == "cuda" and not os.environ.get(f"GRCOMPILE_TILES_{kernel.upper()}")
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def _run_tile(module, kernel: str, meta: dict, max_len: int, B: int, args: tuple, tile: tuple) -> None:
+    blocks, warps, stages = tile
+    block = blocks["BLOCK_N"] if kernel == "bwd_kv" else blocks["BLOCK_M"]
+    getattr(module, kernel)[(math.ceil(max_len / block), B, meta["H"])](*args, **meta, **blocks, num_warps=warps,
+                                                                         num_stages=stages)
+
+
+def _launch(module, kernel: str, meta: dict, max_len: int, B: int, *args, plain: bool = False,
+            accumulators: tuple = ()) -> None:
+    """Launch ``kernel`` with its tuned tile (on CUDA, :mod:`..autotune`; ``accumulators``: the
+    buffers it ``atomic_add``s into, zeroed after the trials) or its table tile; a tile the
+    device's shared memory cannot hold is replaced by a smaller one (remembered), and
+    TritonFallback when none fits."""
     from triton.runtime.errors import OutOfResources
 
+    device = args[0].device
+    if _tunes(kernel, device):
+        pads = dict(BLOCK_DQK=_pad(meta["DQK"]), BLOCK_DV=_pad(meta["DV"]))
+        candidates = [launch_config(kernel, meta["DQK"], meta["DV"], device, plain=plain)] + \
+            [(dict(BLOCK_M=bm, BLOCK_N=bn, **pads), warps, stages) for bm, bn, warps, stages in TUNE_TILES[kernel]]
+        key = "|".join(str(part) for part in (module.__name__, kernel, args[0].dtype, meta["DQK"], meta["DV"],
+                                              "plain" if plain else "score_mod", autotune.length_bucket(max_len)))
+        tile = tuner().choose(key, candidates, lambda t: _run_tile(module, kernel, meta, max_len, B, args, t),
+                              accumulators)
+        if tile is not None:
+            _run_tile(module, kernel, meta, max_len, B, args, tile)
+            return
     key = (module.__name__, kernel, args[0].dtype, meta["DQK"], meta["DV"], plain,
            os.environ.get(f"GRCOMPILE_TILES_{kernel.upper()}"))  # a tuning run's tile is its own entry
-    first = _FITTED.get(key) or launch_config(kernel, meta["DQK"], meta["DV"], args[0].device, plain=plain)
+    first = _FITTED.get(key) or launch_config(kernel, meta["DQK"], meta["DV"], device, plain=plain)
     last = None
-    for blocks, warps, stages in (first, *_fallback_tiles(*first)):
-        block = blocks["BLOCK_N"] if kernel == "bwd_kv" else blocks["BLOCK_M"]
+    for tile in (first, *_fallback_tiles(*first)):
         try:
-            getattr(module, kernel)[(math.ceil(max_len / block), B, meta["H"])](*args, **meta, **blocks,
-                                                                                 num_warps=warps, num_stages=stages)
+            _run_tile(module, kernel, meta, max_len, B, args, tile)
         except OutOfResources as exc:  # raised while loading the compiled kernel, before it runs
             last = exc
             continue
-        if (blocks, warps, stages) != first:
-            _FITTED[key] = (blocks, warps, stages)
+        if tile != first:
+            _FITTED[key] = tile
         return
     raise TritonFallback(f"no tile of the {kernel} kernel fits this device ({last})")
 
@@ -710,7 +762,7 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
         if T and B:
             side_args = _side_args(q_side, k_side, all_tables)
             _launch(module, "bwd_kv", meta, max_len, B, q, k, v, grad_out, lse, delta, dk, dv, offsets, positions,
-                    seed_t, *side_args, *grad_args, *strides, plain=plain)
+                    seed_t, *side_args, *grad_args, *strides, plain=plain, accumulators=tuple(dtabs.values()))
             if use_qk or fq:  # without q·k and query-side gradients there is nothing for bwd_q to compute
                 _launch(module, "bwd_q", meta, max_len, B, q, k, v, grad_out, lse, delta, dq, offsets, positions,
                         seed_t, *side_args, *grad_args, *strides, plain=plain)
@@ -730,7 +782,7 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
 
 
 __all__ = ["attention_triton", "attention_backward_triton", "kernels_for", "Variant", "aot_configs",
-           "TritonFallback"]
+           "TritonFallback", "tuned_tiles", "TUNE_TILES"]
 
 
 # --------------------------------------------------------------------------------------------

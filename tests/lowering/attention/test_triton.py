@@ -449,3 +449,53 @@ def test_out_of_range_flags_per_row_as_on_sm80(monkeypatch):
     test_table_index_out_of_range_raises_naming_the_score_mod[True])."""
     _flags_per_row(monkeypatch)
     _assert_match(*_case([23, 0, 1, 7], 2, 8, 8, "silu", True, 0.0, "hstu", 5))
+
+
+def test_autotuned_tiles_keep_values_and_gradients(monkeypatch, tmp_path):
+    """The autotuner times candidate tiles on the call itself: the result is the chosen tile's
+    (the table gradients, which bwd_kv adds atomically, are zeroed after the trials, else every
+    trial would add into them); a tile over shared memory is skipped; the choice is reused for the
+    same length bucket, tuned again for another, and read back from the cache file by a new
+    process's tuner."""
+    from triton.runtime.errors import OutOfResources
+
+    from grcompile.lowering import autotune
+
+    small = {"fwd": [(32, 16, 4, 1), (16, 32, 4, 1)], "bwd_kv": [(16, 32, 4, 1), (32, 16, 4, 1)],
+             "bwd_q": [(32, 16, 4, 1), (16, 32, 4, 1)]}
+    monkeypatch.setattr(at, "TUNE_TILES", small)
+    monkeypatch.setattr(at, "_tunes", lambda kernel, device: True)
+    monkeypatch.setattr(autotune, "LENGTH_BUCKETS", (32, 64))  # small rows, two buckets
+    timed = []
+
+    def timer(fn):  # the last candidate is fastest, the first one does not fit
+        timed.append(fn)
+        if len(timed) % 3 == 1:
+            raise OutOfResources(1 << 20, 1 << 17, "shared memory")
+        for _ in range(2):  # run it more than once, as do_bench does
+            fn()
+        return 9.0 if len(timed) % 3 == 2 else 8.0
+    cache = tmp_path / "tiles.json"
+    monkeypatch.setattr(at, "_TUNER", autotune.TileTuner(timer=timer, cache_file=cache))
+    args, kwargs = _case([23, 0, 1, 7], 2, 8, 8, "silu", True, 0.2, "hstu", 11)
+    _assert_match(args, kwargs)
+    tuner = at._TUNER
+    assert len(tuner.chosen) == 3 and len(timed) == 9, (tuner.chosen, len(timed))
+    assert all(tile[0]["BLOCK_M"] == (16 if key.split("|")[1] != "bwd_kv" else 32) for key, tile in
+               tuner.chosen.items()), tuner.chosen
+    assert all(trials[0][1] is None for trials in tuner.timings.values())  # the table tile "did not fit"
+    _assert_match(args, kwargs)
+    assert len(timed) == 9  # reused
+    long_args, long_kwargs = _case([40, 2], 2, 8, 8, "silu", True, 0.0, "hstu", 12)
+    _assert_match(long_args, long_kwargs)  # another length bucket (and no dropout: another kernel module)
+    assert len(tuner.chosen) == 6 and len(timed) == 18
+    fresh = autotune.TileTuner(timer=timer, cache_file=cache)
+    key = next(iter(tuner.chosen))
+    assert fresh.choose(key, [], lambda tile: None) == tuner.chosen[key]
+    assert len(timed) == 18
+
+
+def test_length_buckets():
+    from grcompile.lowering.autotune import LENGTH_BUCKETS, length_bucket
+    assert [length_bucket(n) for n in (1, 256, 257, 1024, 4096, 4097, 16384, 1 << 20)] == \
+        [256, 256, 1024, 1024, 4096, 16384, 16384, LENGTH_BUCKETS[-1]]
