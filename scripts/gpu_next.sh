@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
 # What the next GPU session should measure (one call; see docs/precision-memory.md and
 # docs/lowering.md, "Measured on an H200"): the FP8 block GEMMs with launch time hidden, then
-# grcompile end-to-end on HSTU-large at a larger load, bf16 and FP8.
+# grcompile end-to-end on HSTU-large at a larger load, bf16 and FP8. First: the attention kernels
+# with the autotuner off and on (docs/lowering.md).
 set -u
 OUT=${OUT:-/tmp/grcompile-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD GRCOMPILE_TRITON_CACHE=/tmp/grcompile-triton
 LOG="$OUT/next.log"
 step() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
+for bias in hstu none; do
+  for tune in 0 1; do
+    step attention kernels bias=$bias autotune=$tune
+    GRCOMPILE_AUTOTUNE=$tune timeout 120 python3 -m grcompile.bench.attention_kernel --tokens 8192 --heads 4 \
+      --head-dim 128 --dtype bf16 --bias $bias --activation silu --json "$OUT/attn-$bias-tune$tune.json" 2>&1 | tee -a "$LOG"
+  done
+done
 step fp8 kernels back to back
 timeout 90 python3 -m grcompile.bench.fp8_kernel --tokens 32768 --dim 1024 --back-to-back 10 \
   --json "$OUT/fp8-kernels-b2b.json" 2>&1 | tee -a "$LOG"
