@@ -193,6 +193,18 @@ def test_jagged_attention(layout: str) -> None:
     opcheck(torch.ops.grcompile.jagged_attention_backward.default, (grad, *args), JAGGED_KWARGS)
 
 
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_jagged_attention_fwd_and_its_statistics(activation: str) -> None:
+    """The op under the composite: (out, lse); the backward given the softmax's out and lse."""
+    kwargs = dict(JAGGED_KWARGS, activation=activation)
+    opcheck(torch.ops.grcompile.jagged_attention_fwd.default, (*jagged_args(VALID, "contiguous"), None), kwargs)
+    args = jagged_args(VALID, "contiguous", requires_grad=False)
+    out, lse = torch.ops.grcompile.jagged_attention_fwd(*args, None, **kwargs)
+    assert lse.shape == ((out.shape[0], H) if activation == "softmax" else (0,))
+    grad = randn(args[0].shape[0], H, DV, seed=9)
+    opcheck(torch.ops.grcompile.jagged_attention_backward.default, (grad, *args, None, out, lse), kwargs)
+
+
 @pytest.mark.parametrize("valid", [torch.zeros(3, 5, dtype=torch.bool), torch.zeros(0, 5, dtype=torch.bool)],
                          ids=["empty_rows", "no_rows"])
 def test_jagged_attention_zero_tokens(valid: torch.Tensor) -> None:
@@ -280,12 +292,12 @@ def test_sparse_lookup(sparse, layout: str) -> None:
 # --- coverage -----------------------------------------------------------------------------------
 
 COVERED = {"quantize_fp8", "norm_quant_fp8", "scaled_linear_fp8", "fp8_linear", "gated_norm", "gated_norm_backward", "pack_index", "score_mod_attention", "score_mod_attention_backward",
-           "jagged_attention", "jagged_attention_backward", "check_index", "check_unchanged", "sparse_lookup",
+           "jagged_attention", "jagged_attention_fwd", "jagged_attention_backward", "check_index", "check_unchanged", "sparse_lookup",
            "sparse_lookup_backward"}
 
 
 def test_every_custom_op_is_covered() -> None:
     root = Path(grcompile.__file__).parent
     defined = {name for path in root.rglob("*.py")
-               for name in re.findall(r'custom_op\(\s*"grcompile::(\w+)"', path.read_text())}
+               for name in re.findall(r'(?:custom_op|define)\(\s*"grcompile::(\w+)"', path.read_text())}
     assert defined == COVERED, f"ops without an opcheck case: {sorted(defined - COVERED)}"

@@ -36,8 +36,11 @@ Padded slots repeat the row's last real token, so a score_mod only ever sees rea
 (position, side) values and never indexes out of bounds; they are removed by ``torch.where``
 (never multiplied), so nothing non-finite leaks.
 
-Autograd is flash-like: the forward saves only its inputs; ``grcompile::jagged_attention_backward``
-recomputes each chunk and differentiates it analytically (the score_mod by its VJP), returning
+Autograd is flash-like: ``jagged_attention`` is a composite of ``grcompile::jagged_attention_fwd``,
+which returns the output and, for the softmax, the log-sum-exp per (token, head); the forward saves
+its inputs (and, for the softmax, that output and log-sum-exp), and
+``grcompile::jagged_attention_backward`` recomputes each chunk's scores and differentiates them
+analytically (the score_mod by its VJP; the softmax weights as ``exp(s − lse)``), returning
 gradients for q, k, v and every floating side tensor and table (integer ones get ``None``),
 accumulated in float32 for half-precision inputs.
 
@@ -48,7 +51,7 @@ with ``GRCOMPILE_BACKEND=triton``) generates the score_mod into the kernel; a ca
 against stubs only: nothing has run on an NPU).
 
 
-Modules, one concern each: :mod:`.op` (schema, fake, autograd, kernel slots, the variants run),
+Modules, one concern each: :mod:`.op` (schemas, fake, autograd, kernel slots, the variants run),
 :mod:`.validation` (argument checks), :mod:`.buckets` (the bucket planner), :mod:`.dropout` (the
 dropout hash), :mod:`.chunks` (one chunk, and its inductor-compiled copies), :mod:`.reference`
 (the reference forward / backward). The models' attentions written as calls of the op live with
@@ -60,7 +63,8 @@ from __future__ import annotations
 
 from .buckets import plan_buckets
 from .dropout import dropout_keep
-from .op import JAGGED_ATTENTION, SEEN_VARIANTS, jagged_attention, jagged_attention_backward, note_variant
+from .op import (JAGGED_ATTENTION, SEEN_VARIANTS, jagged_attention, jagged_attention_backward, jagged_attention_fwd,
+                 note_variant)
 from .validation import ACTIVATIONS
 
 # The kernel modules (triton.py, ascend.py) fall back to the reference through these
@@ -69,5 +73,5 @@ from .chunks import _autograd_reenabled  # noqa: F401
 from .reference import _attention_backward_reference, _attention_reference, _grad_placeholder  # noqa: F401
 from .validation import _check_dropout, _check_meta, _check_values  # noqa: F401
 
-__all__ = ["jagged_attention", "jagged_attention_backward", "plan_buckets", "dropout_keep", "ACTIVATIONS",
+__all__ = ["jagged_attention", "jagged_attention_fwd", "jagged_attention_backward", "plan_buckets", "dropout_keep", "ACTIVATIONS",
            "note_variant", "SEEN_VARIANTS", "JAGGED_ATTENTION"]

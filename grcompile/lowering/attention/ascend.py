@@ -590,29 +590,34 @@ def _mxrec_args(call: _Call, offsets: torch.Tensor) -> dict:
 
 
 def attention_ascend(q, k, v, offsets, positions, q_side, k_side, tables, seed=None, *, score_mod, use_qk, activation,
-                     scale, out_scale, causal, max_len, dropout_p=0.0):
-    """``jagged_attention`` on mxrec.hstu_jagged, or the reference with a reason."""
+                     scale, out_scale, causal, max_len, dropout_p=0.0, with_lse=False):
+    """``jagged_attention`` on mxrec.hstu_jagged, or the reference with a reason. ``with_lse``:
+    ``(out, lse)``; mxrec runs SiLU only, whose ``lse`` is empty (a softmax runs the reference)."""
     from . import _attention_reference, _check_dropout, _check_meta, _check_values
     _check_meta(q, k, v, offsets, positions, q_side, k_side, tables, score_mod, activation, max_len)
     _check_dropout(seed, dropout_p, q.device)
     offs = _check_values(offsets, positions, q.shape[0], max_len)
     kwargs = dict(score_mod=score_mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale,
                   causal=causal, dropout_p=dropout_p)
+    from .op import lse_like
     if q.shape[0] == 0:  # mxrec needs a token; nothing to compute
-        return q.new_zeros(0, q.shape[1], v.shape[2])
+        out = q.new_zeros(0, q.shape[1], v.shape[2])
+        return (out, lse_like(q, activation)) if with_lse else out
     try:
         call = _lower(q, k, v, offs, positions, q_side, k_side, tables, backward=False, **kwargs)
     except AscendFallback as why:
         _fallback("jagged_attention", score_mod, str(why))
         return _attention_reference(q, k, v, offsets, positions, q_side, k_side, tables, seed, max_len=max_len,
-                                    **kwargs)
+                                    with_lse=with_lse, **kwargs)
     _note(score_mod, call)
-    return torch.ops.mxrec.hstu_jagged.equal(q.contiguous(), k.contiguous(), v.contiguous(),
-                                             **_mxrec_args(call, offsets))
+    out = torch.ops.mxrec.hstu_jagged.equal(q.contiguous(), k.contiguous(), v.contiguous(),
+                                            **_mxrec_args(call, offsets))
+    return (out, lse_like(q, activation)) if with_lse else out
 
 
-def attention_backward_ascend(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed=None, *, score_mod,
-                              use_qk, activation, scale, out_scale, causal, max_len, dropout_p=0.0):
+def attention_backward_ascend(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed=None, fwd_out=None,
+                              fwd_lse=None, *, score_mod, use_qk, activation, scale, out_scale, causal, max_len,
+                              dropout_p=0.0):
     """``jagged_attention_backward`` on mxrec.hstu_jagged_backward (dq, dk, dv, d bias), the
     tables' and side tensors' gradients pulled back through the bias; or the reference."""
     from . import _attention_backward_reference, _autograd_reenabled, _grad_placeholder
@@ -629,7 +634,7 @@ def attention_backward_ascend(grad_out, q, k, v, offsets, positions, q_side, k_s
     except AscendFallback as why:
         _fallback("jagged_attention_backward", score_mod, str(why))
         return _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed,
-                                             max_len=max_len, **kwargs)
+                                             fwd_out, fwd_lse, max_len=max_len, **kwargs)
     dq, dk, dv, d_bias = torch.ops.mxrec.hstu_jagged_backward.equal(
         grad_out.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), **_mxrec_args(call, offsets))
     live, wanted = [], []

@@ -29,7 +29,9 @@ _NO_DUCK_SHAPE = fx_config.patch(use_duck_shape=False)
 def _chunk_attention(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, tables, drop_rows, k_tok, dropout_p,
                      *, mod, use_qk, activation, scale, out_scale, causal, dropout):
     """qb [n, H, Lq, dqk], kb [n, H, Lk, dqk], vb [n, H, Lk, dv]; q_pos/q_lim/q_sides [n, Lq];
-    k_pos/k_lim/k_sides/k_tok [n, Lk] -> [n, H, Lq, dv] (padded query slots hold garbage).
+    k_pos/k_lim/k_sides/k_tok [n, Lk] -> ``(out [n, H, Lq, dv], lse)`` (padded query slots hold
+    garbage); ``lse`` the softmax's log-sum-exp ``[n, H|1, Lq]`` (:func:`_masked_softmax`), None for
+    SiLU / identity.
     ``q_lim``/``k_lim`` (:func:`mask_limits`) carry the mask; ``drop_rows`` (:func:`dropout_rows`),
     ``k_tok`` and ``dropout_p`` (a 0-d tensor, so that compiled kernels do not specialise on it)
     the dropout mask, used when ``dropout``."""
@@ -37,13 +39,19 @@ def _chunk_attention(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, t
     if mod is not None:
         s = _call_mod(mod, s, q_pos, k_pos, q_sides, k_sides, tables, vb)
     keep = dropout_keep_rows(drop_rows, k_tok, dropout_p) if dropout else None
-    a = _scale_and_drop(_activate(s, _allowed(q_lim, k_lim, causal), activation), keep, dropout_p, out_scale)
+    allowed = _allowed(q_lim, k_lim, causal)
+    if activation == "softmax":
+        act, lse = _masked_softmax(s, allowed)
+    else:
+        act, lse = _activate(s, allowed, activation), None
+    a = _scale_and_drop(act, keep, dropout_p, out_scale)
     a = a.expand(vb.shape[0], vb.shape[1], q_lim.shape[1], k_lim.shape[1])  # [n, 1, ...] when not use_qk
-    return torch.matmul(a, vb)
+    return torch.matmul(a, vb), lse
 
 
 def _chunk_backward(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, tables, drop_rows, k_tok,
-                    dropout_p, grad_out, *, mod, use_qk, activation, scale, out_scale, causal, dropout):
+                    dropout_p, grad_out, lse=None, delta=None, *, mod, use_qk, activation, scale, out_scale, causal,
+                    dropout):
     """The analytic backward of :func:`_chunk_attention`: ``grad_out [n, H, Lq, dv]``
     -> ``(dq, dk, dv, grads)``, ``dq``/``dk`` None unless ``use_qk``, ``grads`` those of the
     floating ``q_sides``, ``k_sides`` and ``tables`` in that order (what the score_mod reads).
@@ -56,7 +64,11 @@ def _chunk_backward(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, ta
     same graph): it turns ``dS`` into the gradient of the raw scores and those of the side tensors
     and tables. Five matmuls and one fused pass over the scores, where autograd through the
     compiled forward recomputed the forward, stored its masks as bools (slow stores) and ran a
-    second graph."""
+    second graph.
+
+    ``lse`` / ``delta`` ``[n, H, Lq]`` (softmax, when the forward's are kept): the forward's
+    log-sum-exp and ``Σ dO∘out`` per query (0 at padded query slots), so ``P = exp(s − lse)`` needs
+    no row max or sum and ``Σⱼ A∘G = delta`` (``delta`` None: summed here)."""
     s_raw = _scores(qb, kb, vb, use_qk, scale)
     differentiable = [t for t in (*q_sides, *k_sides, *tables) if t.is_floating_point()]
     if mod is None:
@@ -71,7 +83,10 @@ def _chunk_backward(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, ta
     full = (vb.shape[0], vb.shape[1], q_lim.shape[1], k_lim.shape[1])  # s is [n, 1, ...] when not use_qk
     allowed = _allowed(q_lim, k_lim, causal)
     keep = dropout_keep_rows(drop_rows, k_tok, dropout_p) if dropout else None
-    act = _activate(s, allowed, activation).expand(full)  # softmax: exactly 0 off the mask and on dead rows
+    if activation == "softmax" and lse is not None:  # dead rows: lse = +inf, so exp(· − lse) = 0
+        act = torch.where(allowed, torch.exp(torch.where(allowed, s, 0.0) - lse[..., None]), 0.0).expand(full)
+    else:
+        act = _activate(s, allowed, activation).expand(full)  # softmax: exactly 0 off the mask and on dead rows
     a = _scale_and_drop(act, keep, dropout_p, out_scale)
     dv = torch.matmul(a.transpose(-2, -1), grad_out)
     if not use_qk and (mod is None or not differentiable):
@@ -79,7 +94,7 @@ def _chunk_backward(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, ta
     g = torch.matmul(grad_out, vb.transpose(-2, -1))
     if activation == "softmax":
         a_g = a * g
-        d_s = a_g - act * a_g.sum(dim=-1, keepdim=True)
+        d_s = a_g - act * (a_g.sum(dim=-1, keepdim=True) if delta is None else delta[..., None])
     else:
         d_a = _scale_and_drop(g, keep, dropout_p, out_scale)
         if activation == "silu":
@@ -108,7 +123,7 @@ def _activate(s: torch.Tensor, allowed: torch.Tensor, activation: str) -> torch.
     """The activation over the mask: the masked softmax, or SiLU / identity masked by ``where`` (a
     non-finite score off the mask never reaches a product)."""
     if activation == "softmax":
-        return _masked_softmax(s, allowed)
+        return _masked_softmax(s, allowed)[0]
     return torch.where(allowed, torch.nn.functional.silu(s) if activation == "silu" else s, 0.0)
 
 
@@ -165,12 +180,18 @@ def _allowed(q_lim: torch.Tensor, k_lim: torch.Tensor, causal: bool) -> torch.Te
     return k_lim <= q_lim[:, None, :, None] if causal else k_lim < float("inf")
 
 
-def _masked_softmax(s: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Softmax over the allowed keys; exactly 0 elsewhere and on a query with no allowed key."""
+def _masked_softmax(s: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, lse)``: the softmax over the allowed keys, exactly 0 elsewhere and on a query with
+    no allowed key, and its log-sum-exp ``[..., Lq]`` (``+inf`` on such a query)."""
     s = torch.where(allowed, s, float("-inf"))
-    live = s.amax(dim=-1, keepdim=True) != float("-inf")  # NaN stays live: it propagates as in eager
-    a = torch.softmax(torch.where(live, s, 0.0), dim=-1)
-    return torch.where(live & allowed, a, 0.0)
+    m = s.amax(dim=-1, keepdim=True)
+    live = m != float("-inf")  # NaN stays live: it propagates as in eager
+    m = torch.where(live, m, 0.0)
+    e = torch.exp(s - m)  # 0 off the mask
+    total = e.sum(dim=-1, keepdim=True)
+    a = torch.where(live & allowed, e / torch.where(live, total, 1.0), 0.0)
+    lse = torch.where(live, m + torch.log(torch.where(live, total, 1.0)), float("inf"))
+    return a, lse.squeeze(-1)
 
 
 def mask_positions(positions: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -218,12 +239,14 @@ def _chunk_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activatio
 
 def _chunk_backward_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activation: str, scale: float,
                            out_scale: float, causal: bool, dropout_p: float, head_widths: tuple[int, int],
-                           table_grads: bool) -> Callable:
+                           table_grads: bool, stats: tuple[bool, bool] = (False, False)) -> Callable:
     """:func:`_chunk_backward` bound and compiled like :func:`_chunk_kernel`'s forward
-    (``table_grads``: it computes gradients of score_mod tables, see :func:`_inductor_options`)."""
+    (``table_grads``: it computes gradients of score_mod tables, see :func:`_inductor_options`;
+    ``stats``: whether it is given the forward's ``lse``, ``delta``: a graph of their own)."""
     options = dict(mod=get_score_mod(score_mod) if score_mod else None, use_qk=use_qk, activation=activation,
                    scale=scale, out_scale=out_scale, causal=causal, dropout=dropout_p > 0)
-    key = ("backward", score_mod, dtype, use_qk, activation, scale, out_scale, causal, dropout_p > 0, table_grads)
+    key = ("backward", score_mod, dtype, use_qk, activation, scale, out_scale, causal, dropout_p > 0, table_grads,
+           stats)
     inductor_options = _inductor_options(score_mod) if table_grads else {}
     return functools.partial(_compiled(_chunk_backward, key, options, head_widths, inductor_options),
                              dropout_p=torch.tensor(dropout_p, dtype=torch.float64))
@@ -237,7 +260,7 @@ def _compiled(fn: Callable, key: tuple, options: dict, head_widths: tuple[int, i
     if compiled is None:
         code = fn.__code__
         own = types.FunctionType(code.replace(co_name=f"{code.co_name}_{len(_COMPILED_CHUNKS)}"), fn.__globals__,
-                                 code.co_name)
+                                 code.co_name, fn.__defaults__)
         own.__kwdefaults__ = options
         compiled = _COMPILED_CHUNKS[key] = _CompiledChunk(torch.compile(own, dynamic=True, options=inductor_options),
                                                           functools.partial(fn, **options), key)

@@ -23,23 +23,52 @@ register_op("jagged_attention_backward", reference=_attention_backward_reference
 # the custom ops
 
 
-@torch.library.custom_op("grcompile::jagged_attention", mutates_args=())
 def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                      positions: torch.Tensor, q_side: list[torch.Tensor], k_side: list[torch.Tensor],
                      tables: list[torch.Tensor], seed: Optional[torch.Tensor], *, score_mod: str,
                      use_qk: bool, activation: str, scale: float, out_scale: float, causal: bool, max_len: int,
                      dropout_p: float = 0.0) -> torch.Tensor:
-    """See the module docstring. ``seed`` is required (``None`` without dropout): an argument left
-    to its default would change the structure autograd expects back from the backward."""
+    """See the package docstring. ``seed`` is required (``None`` without dropout): an argument left
+    to its default would change the structure autograd expects back from the backward.
+
+    A composite of :func:`jagged_attention_fwd` (its output; AOTAutograd traces through it): the
+    passes emit this one-output op, and the backward still gets the softmax's log-sum-exp the
+    forward computed."""
+    return torch.ops.grcompile.jagged_attention_fwd(
+        q, k, v, offsets, positions, q_side, k_side, tables, seed, score_mod=score_mod, use_qk=use_qk,
+        activation=activation, scale=scale, out_scale=out_scale, causal=causal, max_len=max_len,
+        dropout_p=dropout_p)[0]
+
+
+torch.library.define("grcompile::jagged_attention", torch.library.infer_schema(jagged_attention, mutates_args=()))
+torch.library.impl("grcompile::jagged_attention", "CompositeImplicitAutograd")(jagged_attention)
+
+
+@torch.library.custom_op("grcompile::jagged_attention_fwd", mutates_args=())
+def jagged_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                         positions: torch.Tensor, q_side: list[torch.Tensor], k_side: list[torch.Tensor],
+                         tables: list[torch.Tensor], seed: Optional[torch.Tensor], *, score_mod: str,
+                         use_qk: bool, activation: str, scale: float, out_scale: float, causal: bool, max_len: int,
+                         dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)``: ``jagged_attention``'s output and, for the softmax, the log-sum-exp of each
+    (token, head)'s allowed scores before dropout (``[T, H]``, float32 — float64 for float64
+    inputs; ``+inf`` on a query with no allowed key), which the backward reads instead of
+    recomputing the forward; ``[0]`` for SiLU / identity, whose backward needs none."""
     impl = lookup("jagged_attention", q.device.type)
-    out = impl(q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), seed, score_mod=score_mod,
-               use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
-               max_len=max_len, dropout_p=dropout_p)
+    out, lse = impl(q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), seed, score_mod=score_mod,
+                    use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
+                    max_len=max_len, dropout_p=dropout_p, with_lse=True)
     # after the call, whose checks reject malformed arguments with a ValueError (recording first
     # read q.shape[2] of a rank-2 q: an IndexError instead)
     note_variant(q, v, q_side, k_side, tables, score_mod=score_mod, activation=activation, causal=causal,
                  use_qk=use_qk, dropout_p=dropout_p)
-    return out
+    return out, lse
+
+
+def lse_like(q: torch.Tensor, activation: str) -> torch.Tensor:
+    """An empty ``lse`` of the shape and dtype :func:`jagged_attention_fwd` returns for ``q``."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty((q.shape[0], q.shape[1]) if activation == "softmax" else (0,), dtype=dtype)
 
 
 # (score_mod, activation, causal, use_qk, dropout, dtype, dqk, dv, q_side dtypes, k_side dtypes,
@@ -56,33 +85,37 @@ def note_variant(q, v, q_side, k_side, tables, *, score_mod: str, activation: st
     SEEN_VARIANTS[key] = SEEN_VARIANTS.get(key, 0) + 1
 
 
-@jagged_attention.register_fake
+@jagged_attention_fwd.register_fake
 def _(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score_mod, use_qk, activation, scale,
       out_scale, causal, max_len, dropout_p=0.0):
     _check_meta(q, k, v, offsets, positions, q_side, k_side, tables, score_mod, activation, max_len)
     _check_dropout(seed, dropout_p, q.device)
-    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2]), lse_like(q, activation)
 
 
 @torch.library.custom_op("grcompile::jagged_attention_backward", mutates_args=())
 def jagged_attention_backward(
         grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
         positions: torch.Tensor, q_side: list[torch.Tensor], k_side: list[torch.Tensor],
-        tables: list[torch.Tensor], seed: Optional[torch.Tensor] = None, *, score_mod: str, use_qk: bool,
+        tables: list[torch.Tensor], seed: Optional[torch.Tensor] = None, fwd_out: Optional[torch.Tensor] = None,
+        fwd_lse: Optional[torch.Tensor] = None, *, score_mod: str, use_qk: bool,
         activation: str, scale: float, out_scale: float, causal: bool, max_len: int, dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """Gradients of ``jagged_attention`` by recomputation (the dropout mask is recomputed from
     ``seed``); integer side tensors / tables get an empty float placeholder (the autograd wrapper
-    turns it into ``None``)."""
+    turns it into ``None``). ``fwd_out`` / ``fwd_lse``: the forward's output and log-sum-exp
+    (softmax; :func:`jagged_attention_fwd`): given, the softmax weights are ``exp(s − lse)`` and the
+    row sum of the backward is ``Σ dO∘out``; None (or an empty ``fwd_lse``), they are recomputed."""
     impl = lookup("jagged_attention_backward", q.device.type)
+    stats = {} if fwd_out is None or fwd_lse is None or not fwd_lse.numel() else dict(fwd_out=fwd_out, fwd_lse=fwd_lse)
     return impl(grad_out, q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), seed,
                 score_mod=score_mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale,
-                causal=causal, max_len=max_len, dropout_p=dropout_p)
+                causal=causal, max_len=max_len, dropout_p=dropout_p, **stats)
 
 
 @jagged_attention_backward.register_fake
-def _(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed=None, *, score_mod, use_qk, activation,
-      scale, out_scale, causal, max_len, dropout_p=0.0):
+def _(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed=None, fwd_out=None, fwd_lse=None, *,
+      score_mod, use_qk, activation, scale, out_scale, causal, max_len, dropout_p=0.0):
     def like(ts):
         return [torch.empty_like(t) if t.is_floating_point() else _grad_placeholder(t) for t in ts]
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), like(q_side), like(k_side), like(tables)
@@ -93,21 +126,28 @@ _KWARGS = ("score_mod", "use_qk", "activation", "scale", "out_scale", "causal", 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
     q, k, v, offsets, positions, q_side, k_side, tables, seed = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
     ctx.n_q_side, ctx.n_k_side = len(q_side), len(k_side)
     ctx.has_seed = seed is not None
-    ctx.save_for_backward(q, k, v, offsets, positions, *q_side, *k_side, *tables, *([seed] if ctx.has_seed else []))
+    # the softmax's backward reads the forward's output and log-sum-exp (the output is usually
+    # saved anyway: the projection after the attention reads it)
+    ctx.has_stats = lse.numel() > 0
+    ctx.save_for_backward(q, k, v, offsets, positions, *q_side, *k_side, *tables, *([seed] if ctx.has_seed else []),
+                          *([out, lse] if ctx.has_stats else []))
     ctx.kwargs = {name: keyword_only_inputs[name] for name in _KWARGS}
     ctx.floating = [t.is_floating_point() for t in (*q_side, *k_side, *tables)]
 
 
-def _backward(ctx, grad_out):
+def _backward(ctx, grad_out, _grad_lse):
     q, k, v, offsets, positions, *rest = ctx.saved_tensors
+    fwd_out, fwd_lse = (rest.pop(-2), rest.pop()) if ctx.has_stats else (None, None)
     seed = rest.pop() if ctx.has_seed else None
     q_side, k_side = rest[:ctx.n_q_side], rest[ctx.n_q_side:ctx.n_q_side + ctx.n_k_side]
     tables = rest[ctx.n_q_side + ctx.n_k_side:]
     dq, dk, dv, d_qs, d_ks, d_tables = torch.ops.grcompile.jagged_attention_backward(
-        grad_out.contiguous(), q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), seed,
-        **ctx.kwargs)
+        grad_out.contiguous(), q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), seed, fwd_out,
+        fwd_lse, **ctx.kwargs)
     flags = iter(ctx.floating)
     d_qs = [g if next(flags) else None for g in d_qs]
     d_ks = [g if next(flags) else None for g in d_ks]
@@ -115,8 +155,8 @@ def _backward(ctx, grad_out):
     return dq, dk, dv, None, None, d_qs, d_ks, d_tables, None
 
 
-jagged_attention.register_autograd(_backward, setup_context=_setup_context)
+jagged_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 JAGGED_ATTENTION = torch.ops.grcompile.jagged_attention.default  # what the jagged rewrite emits
 
 
-__all__ = ["jagged_attention", "jagged_attention_backward", "note_variant", "SEEN_VARIANTS", "JAGGED_ATTENTION"]
+__all__ = ["jagged_attention", "jagged_attention_fwd", "jagged_attention_backward", "lse_like", "note_variant", "SEEN_VARIANTS", "JAGGED_ATTENTION"]

@@ -17,8 +17,9 @@ Kernels, each over a grid of (block, row, head) with rows addressed by ``offsets
   key-side float tensors (per head, summed on the host) and of every float table (``atomic_add``).
 * ``bwd_q``: a query block against its key blocks: ``dq`` and the query-side tensors' gradients.
 
-The softmax backward needs the forward's output and log-sum-exp; the op saves only its inputs, so
-the backward reruns ``fwd`` first (one extra forward per backward; see docs/lowering.md).
+The softmax backward reads the forward's output and log-sum-exp, which ``jagged_attention_fwd``
+returns and its autograd saves; called without them (``score_mod_attention``'s padded interface),
+it reruns ``fwd`` first.
 
 Index safety: every load is masked to the row; table indices are wrapped like torch indexing and
 an index outside its table reads nothing and raises a ``ValueError`` after the kernel (torch raises
@@ -674,13 +675,15 @@ def _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score
                                                  dropout_p=dropout_p)
     T, H, dv = q.shape[0], q.shape[1], v.shape[2]
     out = torch.empty(T, H, dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    # the kernel stores it under ACT == 2 only; else empty, as jagged_attention_fwd returns it
+    lse = torch.empty((T, H) if activation == "softmax" else (0,), dtype=torch.float32, device=q.device)
     oob = torch.zeros(1, dtype=torch.int32, device=q.device)
     meta, seed_t = _common(q, k, v, offsets, positions, seed, activation=activation, causal=causal, use_qk=use_qk,
                            scale=scale, out_scale=out_scale, dropout_p=dropout_p)
     B = offsets.shape[0] - 1
     if T and B:
-        _launch(module, "fwd", meta, max_len, B, q, k, v, out, lse, offsets, positions, seed_t, oob,
+        lse_arg = lse if lse.numel() else torch.empty(1, dtype=torch.float32, device=q.device)
+        _launch(module, "fwd", meta, max_len, B, q, k, v, out, lse_arg, offsets, positions, seed_t, oob,
                 *_side_args(q_side, k_side, all_tables),
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 out.stride(0), out.stride(1), plain=_is_plain(meta, code is not None))
@@ -691,21 +694,23 @@ def _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score
 
 
 def attention_triton(q, k, v, offsets, positions, q_side, k_side, tables, seed=None, *, score_mod, use_qk,
-                     activation, scale, out_scale, causal, max_len, dropout_p=0.0):
-    """The Triton forward; the reference when the kernel cannot run this call (with a warning)."""
+                     activation, scale, out_scale, causal, max_len, dropout_p=0.0, with_lse=False):
+    """The Triton forward; the reference when the kernel cannot run this call (with a warning).
+    ``with_lse``: ``(out, lse)`` as ``jagged_attention_fwd`` returns them."""
     from . import _attention_reference, _check_dropout, _check_meta, _check_values
     _check_meta(q, k, v, offsets, positions, q_side, k_side, tables, score_mod, activation, max_len)
     _check_dropout(seed, dropout_p, q.device)
     _check_values(offsets, positions, q.shape[0], max_len)
     try:
-        return _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, score_mod=score_mod,
-                        use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
-                        max_len=max_len, dropout_p=dropout_p)[0]
+        out, lse = _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, score_mod=score_mod,
+                            use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
+                            max_len=max_len, dropout_p=dropout_p)[:2]
+        return (out, lse) if with_lse else out
     except (TritonFallback, Unsupported) as why:
         _note_fallback(score_mod, str(why))
         return _attention_reference(q, k, v, offsets, positions, q_side, k_side, tables, seed, score_mod=score_mod,
                                     use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale,
-                                    causal=causal, max_len=max_len, dropout_p=dropout_p)
+                                    causal=causal, max_len=max_len, dropout_p=dropout_p, with_lse=with_lse)
 
 
 def _note_fallback(score_mod: str, why: str, op: str = "jagged_attention") -> None:
@@ -717,23 +722,29 @@ def _note_fallback(score_mod: str, why: str, op: str = "jagged_attention") -> No
                       "the reference implementation runs instead (same values, slower)", stacklevel=3)
 
 
-def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed=None, *,
-                              score_mod, use_qk, activation, scale, out_scale, causal, max_len, dropout_p=0.0):
+def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed=None,
+                              fwd_out=None, fwd_lse=None, *, score_mod, use_qk, activation, scale, out_scale, causal,
+                              max_len, dropout_p=0.0):
+    """The Triton backward. ``fwd_out`` / ``fwd_lse``: the forward's output and log-sum-exp
+    (softmax); without them the forward runs again first to get them."""
     from . import _attention_backward_reference, _grad_placeholder
     kwargs = dict(score_mod=score_mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale,
                   causal=causal, max_len=max_len, dropout_p=dropout_p)
+    stats = activation == "softmax" and fwd_out is not None and fwd_lse is not None and fwd_lse.numel() > 0
     try:
-        if activation == "softmax":  # its gradient needs the row's log-sum-exp: the forward runs again
+        if activation == "softmax" and not stats:  # the gradient needs the row's log-sum-exp: rerun the forward
             out, lse, module, code, all_tables = _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed,
                                                           **kwargs)
-        else:  # SiLU / identity weights are pointwise: the backward recomputes them tile by tile
+        else:  # the forward's statistics, or SiLU / identity (pointwise: recomputed tile by tile)
             q, k, v, module, code, all_tables = _prepare(q, k, v, q_side, k_side, tables, score_mod=score_mod,
                                                          use_qk=use_qk, activation=activation, causal=causal,
                                                          max_len=max_len, dropout_p=dropout_p)
+            if stats:
+                out, lse = fwd_out, fwd_lse.float().contiguous()
     except (TritonFallback, Unsupported) as why:
         _note_fallback(score_mod, str(why), "jagged_attention_backward")
         return _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed,
-                                             **kwargs)
+                                             fwd_out, fwd_lse, **kwargs)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     grad_out = grad_out.contiguous()
     T, H = q.shape[0], q.shape[1]
@@ -769,7 +780,7 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
     except TritonFallback as why:
         _note_fallback(score_mod, str(why), "jagged_attention_backward")
         return _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed,
-                                             **kwargs)
+                                             fwd_out, fwd_lse, **kwargs)
     if not use_qk:
         dq.zero_(), dk.zero_()
 

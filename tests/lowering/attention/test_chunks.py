@@ -65,19 +65,26 @@ def test_backward_equals_autograd(compiled: bool, activation: str, causal: bool,
                                         causal=causal, dropout=p > 0, dropout_p=torch.tensor(p, dtype=F64))
             leaves = [t.clone().requires_grad_(True) for t in (qb, kb, vb, *k_sides, *tables)]
             qkv, floats = leaves[:3], leaves[3:]
-            out = forward(*qkv, q_pos, k_pos, q_lim, k_lim, q_sides, floats[:len(k_sides)], floats[len(k_sides):],
-                          rows, k_tok)
+            out, lse = forward(*qkv, q_pos, k_pos, q_lim, k_lim, q_sides, floats[:len(k_sides)],
+                               floats[len(k_sides):], rows, k_tok)
             want = torch.autograd.grad(out, (qkv if use_qk else qkv[2:]) + floats, go)
-            backward = chunks._chunk_backward_kernel(score_mod, activation=activation, table_grads=bool(tables), **opts)
-            dq, dk, dv, side_grads = backward(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, tables, rows,
-                                              k_tok, grad_out=go)
-            got = ([dq, dk] if use_qk else []) + [dv] + list(side_grads)
-            if not use_qk:
-                assert dq is None and dk is None
-            assert len(got) == len(want)
-            for a, b in zip(got, want):
-                torch.testing.assert_close(a, b)
-                assert torch.isfinite(a).all()
+            # softmax: also with the forward's log-sum-exp and Σ dO∘out given (what the op passes)
+            for stats in ([(False, False), (True, False), (True, True)] if activation == "softmax" else
+                          [(False, False)]):
+                backward = chunks._chunk_backward_kernel(score_mod, activation=activation, table_grads=bool(tables),
+                                                         stats=stats, **opts)
+                extra = dict(lse=lse.detach().expand(out.shape[:3])) if stats[0] else {}
+                if stats[1]:
+                    extra["delta"] = (go * out.detach()).sum(-1)
+                dq, dk, dv, side_grads = backward(qb, kb, vb, q_pos, k_pos, q_lim, k_lim, q_sides, k_sides, tables,
+                                                  rows, k_tok, grad_out=go, **extra)
+                got = ([dq, dk] if use_qk else []) + [dv] + list(side_grads)
+                if not use_qk:
+                    assert dq is None and dk is None
+                assert len(got) == len(want)
+                for a, b in zip(got, want):
+                    torch.testing.assert_close(a, b)
+                    assert torch.isfinite(a).all()
     finally:
         chunks.COMPILE_CHUNKS = old
 

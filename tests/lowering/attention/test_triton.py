@@ -499,3 +499,20 @@ def test_length_buckets():
     from grcompile.lowering.autotune import LENGTH_BUCKETS, length_bucket
     assert [length_bucket(n) for n in (1, 256, 257, 1024, 4096, 4097, 16384, 1 << 20)] == \
         [256, 256, 1024, 1024, 4096, 16384, 16384, LENGTH_BUCKETS[-1]]
+
+
+@pytest.mark.parametrize("bias", ["none", "hstu", "mask"])
+def test_softmax_backward_reads_the_forwards_statistics(monkeypatch, bias):
+    """Given the forward's output and log-sum-exp, the Triton softmax backward does not rerun the
+    forward, and its gradients equal the reference's."""
+    args, kwargs = _case([23, 0, 1, 7], 2, 8, 8, "softmax", True, 0.2, bias, 5)
+    out, lse = at.attention_triton(*args, **kwargs, with_lse=True)
+    r_out, r_lse = ref._attention_reference(*args, **kwargs, with_lse=True)
+    torch.testing.assert_close(out, r_out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lse, r_lse, rtol=1e-4, atol=1e-5)
+    grad = torch.randn_like(out)
+    want = ref._attention_backward_reference(grad, *args, **kwargs)
+    monkeypatch.setattr(at, "_forward", lambda *a, **k: pytest.fail("the backward reran the forward"))
+    got = at.attention_backward_triton(grad, *args, out, lse, **kwargs)
+    for a, b in zip([*got[:3], *got[4], *got[5]], [*want[:3], *want[4], *want[5]]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,97 @@
+"""The softmax backward reads the forward's log-sum-exp and output (``jagged_attention_fwd``
+returns them, its autograd saves them) instead of recomputing the row's normaliser (reference) or
+rerunning the forward (Triton): the same gradients either way, eager and through AOTAutograd."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grcompile.lowering import OPS, use_backend
+from grcompile.lowering.attention import reference as ref
+from grcompile.lowering.score_mod import register_score_mod
+
+F64 = torch.float64
+
+
+def _time_bias(score, q_pos, k_pos, q_side_0, k_side_0, table_0):
+    return score + table_0[torch.clamp((k_side_0 - q_side_0).abs() // 7, 0, 5)] + (k_pos - q_pos) * 0.01
+
+
+TIME_BIAS = register_score_mod(_time_bias, name="test_saved_statistics_bias")
+
+
+def _inputs(dtype=F64, lengths=(9, 0, 1, 6), dropout=0.0, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T, H = sum(lengths), 2
+    q, k, v = (torch.randn(T, H, 4, generator=g, dtype=dtype).requires_grad_() for _ in range(3))
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    stamps = torch.randint(0, 100, (T,), generator=g)
+    table = torch.randn(6, generator=g, dtype=dtype).requires_grad_()
+    sides = ([stamps], [stamps.flip(0)], [table]) if bias else ([], [], [])
+    seed_t = torch.tensor([seed + 3]) if dropout else None
+    kwargs = dict(score_mod=TIME_BIAS if bias else "", use_qk=True, activation="softmax", scale=0.5, out_scale=1.0,
+                  causal=True, max_len=max(lengths), dropout_p=dropout)
+    return (q, k, v, offsets, positions, *sides, seed_t), kwargs
+
+
+def _grads(args, kwargs, grad):
+    q, k, v, *_, tables, _seed = args
+    out = torch.ops.grcompile.jagged_attention(*args, **kwargs)
+    return torch.autograd.grad(out, [q, k, v, *tables], grad)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_reference_backward_with_statistics_equals_recomputing(dtype, dropout):
+    args, kwargs = _inputs(dtype, dropout=dropout)
+    plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    plain[7] = [t.detach() for t in args[7]]
+    out, lse = ref._attention_reference(*plain, **kwargs, with_lse=True)
+    assert lse.shape == (out.shape[0], out.shape[1])
+    assert lse.dtype == (F64 if dtype == F64 else torch.float32)
+    grad = torch.randn_like(out)
+    want = ref._attention_backward_reference(grad, *plain, **kwargs)
+    got = ref._attention_backward_reference(grad, *plain, out, lse, **kwargs)
+    tol = dict(rtol=2 ** -7, atol=1e-2) if dtype == torch.bfloat16 else {}
+    for a, b in zip([*got[:3], *got[5]], [*want[:3], *want[5]]):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_the_op_hands_its_statistics_to_the_backward(monkeypatch):
+    """Eager and under torch.compile (AOTAutograd partitions the saved lse): the backward is called
+    with the forward's output and log-sum-exp, and its gradients equal a recomputing backward's."""
+    entry = OPS["jagged_attention_backward"]
+    seen = []
+    original = entry.reference
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("fwd_out") is not None and kwargs.get("fwd_lse") is not None)
+        return original(*args, **kwargs)
+
+    def without_statistics(*args, fwd_out=None, fwd_lse=None, **kwargs):
+        return original(*args, **kwargs)
+    args, kwargs = _inputs(dropout=0.2)
+    grad = torch.randn(args[0].shape[0], 2, 4, dtype=F64)
+    with use_backend("reference"):
+        monkeypatch.setattr(entry, "reference", without_statistics)
+        want = _grads(args, kwargs, grad)  # the backward called without the statistics
+        monkeypatch.setattr(entry, "reference", recording)
+        eager = _grads(args, kwargs, grad)
+        torch._dynamo.reset()
+        compiled_op = torch.compile(lambda *a: torch.ops.grcompile.jagged_attention(*a, **kwargs), backend="aot_eager",
+                                    fullgraph=True)
+        q, k, v, *_, tables, _seed = args
+        compiled = torch.autograd.grad(compiled_op(*args), [q, k, v, *tables], grad)
+    assert seen == [True, True]
+    for got in (eager, compiled):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+
+
+def test_silu_keeps_no_statistics():
+    args, kwargs = _inputs()
+    kwargs["activation"] = "silu"
+    out, lse = torch.ops.grcompile.jagged_attention_fwd(*args, **kwargs)
+    assert lse.numel() == 0 and not lse.requires_grad
+    assert out.requires_grad
