@@ -132,7 +132,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.has_seed = seed is not None
     # the softmax's backward reads the forward's output and log-sum-exp (the output is usually
     # saved anyway: the projection after the attention reads it)
-    ctx.has_stats = lse.numel() > 0
+    ctx.has_stats = keyword_only_inputs["activation"] == "softmax"  # not lse.numel(): T may be unbacked
     ctx.save_for_backward(q, k, v, offsets, positions, *q_side, *k_side, *tables, *([seed] if ctx.has_seed else []),
                           *([out, lse] if ctx.has_stats else []))
     ctx.kwargs = {name: keyword_only_inputs[name] for name in _KWARGS}

@@ -95,3 +95,37 @@ def test_silu_keeps_no_statistics():
     out, lse = torch.ops.grcompile.jagged_attention_fwd(*args, **kwargs)
     assert lse.numel() == 0 and not lse.requires_grad
     assert out.requires_grad
+
+
+def test_a_compiled_softmax_model_runs_optimized_with_statistics(monkeypatch):
+    """Through grcompile's whole pipeline, where the token count is unbacked (a setup that read
+    ``lse.numel()`` raised a data-dependent guard and the model silently ran unoptimized): the
+    model stays optimized, its backward gets the statistics, and its gradients equal eager's."""
+    import importlib.util
+    from pathlib import Path
+
+    import grcompile
+
+    path = Path(__file__).parents[3] / "examples" / "sasrec_mha.py"
+    spec = importlib.util.spec_from_file_location("sasrec_mha_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    user = example.factory(max_len=16, embedding_dim=16, num_blocks=1)
+    entry = OPS["jagged_attention_backward"]
+    original, seen = entry.reference, []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("fwd_lse") is not None)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(entry, "reference", recording)
+    torch._dynamo.reset()
+    eager = user.module
+    optimized = grcompile.optimize(eager)
+    ids, = user.make_batch(5, 16, 3)
+    valid = (ids != 0)[..., None]
+    want = torch.autograd.grad((eager(ids) * valid).pow(2).sum(), list(eager.parameters()))
+    got = torch.autograd.grad((optimized(ids) * valid).pow(2).sum(), list(eager.parameters()))
+    assert grcompile.report(optimized).unoptimized == []
+    assert seen and all(seen)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
