@@ -143,9 +143,24 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     hi = tl.minimum(L, m0 + BLOCK_M) if CAUSAL else L
-    for n0 in range(0, hi, BLOCK_N):
+    # key blocks inside the row that every query of the block may see whole: no mask there
+    full = ((m0 + 1) // BLOCK_N) * BLOCK_N if CAUSAL else (L // BLOCK_N) * BLOCK_N
+{loops}
+    if ACT == 2:
+        live = l_i > 0
+        acc = acc / tl.where(live, l_i, 1.0)[:, None]
+        acc = tl.where(live[:, None], acc, 0.0)
+        lse = tl.where(live, m_i + tl.log(tl.where(live, l_i, 1.0)), float("inf"))
+        tl.store(LSE + q_tok * H + head, lse, mask=q_ok)
+    acc = acc * out_scale
+    _store_tile(O, q_tok, q_ok, stride_ot, head, stride_oh, dv, DV, acc)
+    if (tl.max(oob, 0) if OOB_ROWS else tl.max(tl.max(oob, 1), 0)) != 0:
+        tl.atomic_max(OOB, 1)
+'''
+
+_FWD_TILE = '''\
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k_ok = offs_n < L
+        k_ok = {k_ok}
         k_tok = start + offs_n
         v = _load_tile(V, k_tok, k_ok, stride_vt, head, stride_vh, dv, DV)
         k_pos = tl.load(POS + k_tok, mask=k_ok, other=0).to(tl.int32)[None, :]
@@ -159,7 +174,7 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
         else:
             s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
 {score_mod}
-        allowed = PAIR & (k_pos <= q_pos) if CAUSAL else PAIR
+        allowed = {allowed}
         if ACT == 2:
             s_mod = tl.where(allowed, s_mod, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s_mod, 1))
@@ -177,16 +192,6 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
             keep = _keep(seed, q_tok[:, None], k_tok[None, :], head, H, threshold)
             p = tl.where(keep, p * keep_scale, 0.0)
         acc = acc + _dot(p.to(v.dtype), v, IEEE)
-    if ACT == 2:
-        live = l_i > 0
-        acc = acc / tl.where(live, l_i, 1.0)[:, None]
-        acc = tl.where(live[:, None], acc, 0.0)
-        lse = tl.where(live, m_i + tl.log(tl.where(live, l_i, 1.0)), float("inf"))
-        tl.store(LSE + q_tok * H + head, lse, mask=q_ok)
-    acc = acc * out_scale
-    _store_tile(O, q_tok, q_ok, stride_ot, head, stride_oh, dv, DV, acc)
-    if (tl.max(oob, 0) if OOB_ROWS else tl.max(tl.max(oob, 1), 0)) != 0:
-        tl.atomic_max(OOB, 1)
 '''
 
 # the shared body of both backward kernels: recompute the pair tile, then g_s (raw-score grad)
@@ -201,7 +206,7 @@ _BWD_PAIR = '''\
         # the forward reported these; unused here
         oob = tl.zeros([BLOCK_M], tl.int32) if OOB_ROWS else tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
 {score_mod}
-        allowed = PAIR & (k_pos <= q_pos) if CAUSAL else PAIR
+        allowed = {allowed}
         w = out_scale
         if DROPOUT:
             keep = _keep(seed, q_tok[:, None], k_tok[None, :], head, H, threshold)
@@ -252,22 +257,10 @@ def bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, OFFS, POS, SEED, {extra_params} 
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 {init_k_side_grads}
     lo = (n0 // BLOCK_M) * BLOCK_M if CAUSAL else 0
-    for m0 in range(lo, L, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        q_ok = offs_m < L
-        q_tok = start + offs_m
-        q = _load_tile(Q, q_tok, q_ok, stride_qt, head, stride_qh, dqk, DQK)
-        do = _load_tile(DO, q_tok, q_ok, stride_ot, head, stride_oh, dv, DV)
-        q_pos = tl.load(POS + q_tok, mask=q_ok, other=0).to(tl.int32)[:, None]
-        if ACT == 2:
-            lse = tl.load(LSE + q_tok * H + head, mask=q_ok, other=float("inf"))
-            delta = tl.load(DELTA + q_tok * H + head, mask=q_ok, other=0.0)
-{load_q_sides_inner}
-{pair}
-        dv_acc = dv_acc + _dot(tl.trans((a * w).to(do.dtype)), do, IEEE)
-        if USE_QK:
-            dk_acc = dk_acc + _dot(tl.trans(g_s.to(q.dtype)), q, IEEE)
-{acc_k_side_grads}
+    # query blocks inside the row whose every query sees every key of this block: no mask there
+    mid = tl.minimum(((n0 + BLOCK_N + BLOCK_M - 2) // BLOCK_M) * BLOCK_M, L) if CAUSAL else 0
+    full_end = tl.maximum((L // BLOCK_M) * BLOCK_M, mid)
+{loops}
     _store_tile(DK, k_tok, k_ok, stride_kt, head, stride_kh, dqk, DQK, (dk_acc * scale))
     _store_tile(DV_OUT, k_tok, k_ok, stride_vt, head, stride_vh, dv, DV, dv_acc)
 {store_k_side_grads}
@@ -306,9 +299,33 @@ def bwd_q(Q, K, V, DO, LSE, DELTA, DQ, OFFS, POS, SEED, {extra_params} {grad_par
     dq_acc = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
 {init_q_side_grads}
     hi = tl.minimum(L, m0 + BLOCK_M) if CAUSAL else L
-    for n0 in range(0, hi, BLOCK_N):
+    full = ((m0 + 1) // BLOCK_N) * BLOCK_N if CAUSAL else (L // BLOCK_N) * BLOCK_N  # as in fwd
+{loops}
+    _store_tile(DQ, q_tok, q_ok, stride_qt, head, stride_qh, dqk, DQK, (dq_acc * scale))
+{store_q_side_grads}
+'''
+
+_BWD_KV_TILE = '''\
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        q_ok = {q_ok}
+        q_tok = start + offs_m
+        q = _load_tile(Q, q_tok, q_ok, stride_qt, head, stride_qh, dqk, DQK)
+        do = _load_tile(DO, q_tok, q_ok, stride_ot, head, stride_oh, dv, DV)
+        q_pos = tl.load(POS + q_tok, mask=q_ok, other=0).to(tl.int32)[:, None]
+        if ACT == 2:
+            lse = tl.load(LSE + q_tok * H + head, mask=q_ok, other=float("inf"))
+            delta = tl.load(DELTA + q_tok * H + head, mask=q_ok, other=0.0)
+{load_q_sides_inner}
+{pair}
+        dv_acc = dv_acc + _dot(tl.trans((a * w).to(do.dtype)), do, IEEE)
+        if USE_QK:
+            dk_acc = dk_acc + _dot(tl.trans(g_s.to(q.dtype)), q, IEEE)
+{acc_k_side_grads}
+'''
+
+_BWD_Q_TILE = '''\
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k_ok = offs_n < L
+        k_ok = {k_ok}
         k_tok = start + offs_n
         k = _load_tile(K, k_tok, k_ok, stride_kt, head, stride_kh, dqk, DQK)
         v = _load_tile(V, k_tok, k_ok, stride_vt, head, stride_vh, dv, DV)
@@ -318,9 +335,26 @@ def bwd_q(Q, K, V, DO, LSE, DELTA, DQ, OFFS, POS, SEED, {extra_params} {grad_par
         if USE_QK:
             dq_acc = dq_acc + _dot(g_s.to(k.dtype), k, IEEE)
 {acc_q_side_grads}
-    _store_tile(DQ, q_tok, q_ok, stride_qt, head, stride_qh, dqk, DQK, (dq_acc * scale))
-{store_q_side_grads}
 '''
+
+_MASKED = "PAIR & (k_pos <= q_pos) if CAUSAL else PAIR"
+
+
+def _block_loops(tile: str, var: str, bounds: list[tuple[str, bool]], **fields: str) -> str:
+    """A kernel's loops over ``var``'s blocks (``"m0"``: query blocks, ``"n0"``: key blocks), one per
+    ``(range, interior)``: an interior block lies inside the row and every pair of it is allowed, so
+    its tile runs without masks (an all-true constant mask, which folds away); the others — the
+    causal diagonal, the row's last partial block — with them. A field named ``x_interior`` /
+    ``x_edge`` fills ``{x}`` in the interior / edge tiles; the others fill both."""
+    ok, block, offs = ("q_ok", "BLOCK_M", "offs_m") if var == "m0" else ("k_ok", "BLOCK_N", "offs_n")
+    shared = {name: value for name, value in fields.items() if not name.endswith(("_interior", "_edge"))}
+    out = []
+    for bound, interior in bounds:
+        suffix = "_interior" if interior else "_edge"
+        chosen = {name[:-len(suffix)]: value for name, value in fields.items() if name.endswith(suffix)}
+        mask = f"tl.full([{block}], 1, tl.int1)" if interior else f"{offs} < L"
+        out.append(f"    for {var} in range({bound}, {block}):\n" + tile.format(**{ok: mask}, **chosen, **shared))
+    return "".join(out)
 
 
 def _indent(lines: list[str], spaces: int) -> str:
@@ -355,10 +389,9 @@ def _render(code: Optional[ScoreModCode], n_q: int, n_k: int, table_ranks: list[
     forward = code.forward if code else ["s_mod = s"]
     backward = list(code.backward) if code else ["g_s = g_mod"]
     sm = _indent(head_line + forward, 8)
-    pair_kv = _BWD_PAIR.format(score_mod=sm, score_mod_backward=_indent(backward, 8))
+    backward_kv = _indent(backward, 8)
     # table gradients only in bwd_kv, so each pair adds once
-    pair_q = _BWD_PAIR.format(score_mod=sm, score_mod_backward=_indent(
-        [line for line in backward if not line.startswith("tl.atomic_add")], 8))
+    backward_q = _indent([line for line in backward if not line.startswith("tl.atomic_add")], 8)
 
     def loads(prefix: str, n: int, axis: str, mask: str, tok: str, spaces: int) -> str:
         sl = "[:, None]" if axis == "q" else "[None, :]"
@@ -366,24 +399,32 @@ def _render(code: Optional[ScoreModCode], n_q: int, n_k: int, table_ranks: list[
                         for i in range(n)], spaces)
     load_q = loads("QS", n_q, "q", "q_ok", "q_tok", 4)
     load_k = loads("KS", n_k, "k", "k_ok", "k_tok", 8)
+
+    def pairs(backward_lines: str) -> dict:
+        return {f"pair_{kind}": _BWD_PAIR.format(score_mod=sm, score_mod_backward=backward_lines, allowed=allowed)
+                for kind, allowed in (("interior", "PAIR"), ("edge", _MASKED))}
+    key_blocks = [("0, full", True), ("full, hi", False)]  # fwd, bwd_q: see `full` in their source
     src = _HEADER
-    src += _FWD.format(extra_params=extra_params, load_q_sides=load_q, load_k_sides=load_k, score_mod=sm)
+    src += _FWD.format(extra_params=extra_params, load_q_sides=load_q, loops=_block_loops(
+        _FWD_TILE, "n0", key_blocks, allowed_interior="PAIR", allowed_edge=_MASKED, load_k_sides=load_k,
+        score_mod=sm))
     # bwd_kv: k sides outside the loop, q sides inside
     src += _BWD_KV.format(
-        extra_params=extra_params, grad_params=grad_params, pair=pair_kv,
+        extra_params=extra_params, grad_params=grad_params,
         load_k_sides=loads("KS", n_k, "k", "k_ok", "k_tok", 4),
-        load_q_sides_inner=loads("QS", n_q, "q", "q_ok", "q_tok", 8),
         init_k_side_grads=_indent([f"gks_acc{i} = tl.zeros([1, BLOCK_N], tl.float32)" for i in fk], 4),
-        acc_k_side_grads=_indent([f"gks_acc{i} = gks_acc{i} + g_ks{i}"
-                                  for i in fk], 8),
+        loops=_block_loops(_BWD_KV_TILE, "m0", [("lo, mid", False), ("mid, full_end", True), ("full_end, L", False)],
+                           load_q_sides_inner=loads("QS", n_q, "q", "q_ok", "q_tok", 8),
+                           acc_k_side_grads=_indent([f"gks_acc{i} = gks_acc{i} + g_ks{i}" for i in fk], 8),
+                           **pairs(backward_kv)),
         store_k_side_grads=_indent([f"tl.store(DKS{i} + k_tok[None, :] * H + head, gks_acc{i}, mask=k_ok[None, :])"
                                     for i in fk], 4))
     src += _BWD_Q.format(
-        extra_params=extra_params, grad_params=grad_params, pair=pair_q,
-        load_q_sides=load_q, load_k_sides_inner=load_k,
+        extra_params=extra_params, grad_params=grad_params, load_q_sides=load_q,
         init_q_side_grads=_indent([f"gqs_acc{i} = tl.zeros([BLOCK_M, 1], tl.float32)" for i in fq], 4),
-        acc_q_side_grads=_indent([f"gqs_acc{i} = gqs_acc{i} + g_qs{i}"
-                                  for i in fq], 8),
+        loops=_block_loops(_BWD_Q_TILE, "n0", key_blocks, load_k_sides_inner=load_k,
+                           acc_q_side_grads=_indent([f"gqs_acc{i} = gqs_acc{i} + g_qs{i}" for i in fq], 8),
+                           **pairs(backward_q)),
         store_q_side_grads=_indent([f"tl.store(DQS{i} + q_tok[:, None] * H + head, gqs_acc{i}, mask=q_ok[:, None])"
                                     for i in fq], 4))
     del n_tab

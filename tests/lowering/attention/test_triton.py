@@ -516,3 +516,20 @@ def test_softmax_backward_reads_the_forwards_statistics(monkeypatch, bias):
     got = at.attention_backward_triton(grad, *args, out, lse, **kwargs)
     for a, b in zip([*got[:3], *got[4], *got[5]], [*want[:3], *want[4], *want[5]]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tiles,causal,activation,bias", [
+    ((16, 16), True, "softmax", "hstu"), ((32, 16), True, "softmax", "hstu"), ((16, 32), True, "softmax", "hstu"),
+    ((32, 16), True, "silu", "hstu"), ((16, 32), True, "identity", "none"), ((32, 16), False, "softmax", "hstu"),
+    ((16, 32), False, "silu", "hstu")], ids=str)
+def test_interior_blocks_run_unmasked_with_the_same_values(monkeypatch, tiles, causal, activation, bias):
+    """Each kernel runs the blocks inside the row that every query may see whole without masks and
+    the diagonal / last partial blocks with them: rows of many blocks (and of exactly one, two, and
+    one more than a block), unequal query and key blocks, equal the reference in values and every
+    gradient. (Biases that mask the future themselves, like an additive -1e9, would hide a block
+    wrongly run unmasked: these do not.)"""
+    bm, bn = tiles
+    monkeypatch.setattr(at, "launch_config", lambda kernel, dqk, dv, *a, **k: (
+        dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=at._pad(dqk), BLOCK_DV=at._pad(dv)), 4, 1))
+    lengths = [70, 0, 1, 32, 33, 16, 17]
+    _assert_match(*_case(lengths, 2, 8, 8, activation, causal, 0.25, bias, 21))
