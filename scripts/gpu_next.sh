@@ -2,18 +2,23 @@
 # What the next GPU session should measure (one call; see docs/precision-memory.md and
 # docs/lowering.md, "Measured on an H200"): the FP8 block GEMMs with launch time hidden, then
 # grcompile end-to-end on HSTU-large at a larger load, bf16 and FP8. First: the attention kernels
-# with the autotuner off and on (docs/lowering.md).
+# (interior blocks unmasked, softmax backward reading the forward's statistics) with the
+# autotuner off and on (docs/lowering.md).
 set -u
 OUT=${OUT:-/tmp/grcompile-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD GRCOMPILE_TRITON_CACHE=/tmp/grcompile-triton
 LOG="$OUT/next.log"
 step() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
-for bias in hstu none; do
+# the attention kernels (interior blocks unmasked, softmax backward without the forward rerun;
+# autotuner off, then on): compare with docs/lowering.md's H100 / H200 tables
+for case in "hstu silu" "none silu" "none softmax" "hstu softmax"; do
+  set -- $case
   for tune in 0 1; do
-    step attention kernels bias=$bias autotune=$tune
-    GRCOMPILE_AUTOTUNE=$tune timeout 120 python3 -m grcompile.bench.attention_kernel --tokens 8192 --heads 4 \
-      --head-dim 128 --dtype bf16 --bias $bias --activation silu --json "$OUT/attn-$bias-tune$tune.json" 2>&1 | tee -a "$LOG"
+    step attention kernels bias=$1 activation=$2 autotune=$tune
+    GRCOMPILE_AUTOTUNE=$tune timeout 100 python3 -m grcompile.bench.attention_kernel --tokens 8192 --heads 4 \
+      --head-dim 128 --dtype bf16 --bias $1 --activation $2 --json "$OUT/attn-$1-$2-tune$tune.json" 2>&1 \
+      | tee -a "$LOG"
   done
 done
 step fp8 kernels back to back

@@ -6,8 +6,8 @@
 On a CUDA device this is the measurement the issue's H100 targets name (fused attention with the
 HSTU relative attention bias, bf16, 8K tokens per row): CUDA events around each kernel call, the
 FLOPs of :func:`grcompile.lowering.aot.attention_cost` (the two / five useful matmuls; the
-backward also reruns the forward for the softmax's log-sum-exp, counted in its time, not in its
-FLOPs), the MFU against the device's dense bf16 peak. On CPU it runs the same kernels in Triton's
+backward is given the forward's output and log-sum-exp, as training's autograd gives it), the MFU
+against the device's dense bf16 peak. On CPU it runs the same kernels in Triton's
 interpreter (set ``TRITON_INTERPRET=1``) at whatever size you ask — a smoke test, **not a speed**:
 the JSON says ``"interpreter": true`` and no MFU is computed.
 """
@@ -99,10 +99,12 @@ def run(args) -> dict[str, Any]:
         raise SystemExit("on CPU the Triton kernels run only in the interpreter: set TRITON_INTERPRET=1 "
                          "(a smoke test, not a speed)")
     inputs, kwargs = _inputs(args, device)
-    out = attention_triton(*inputs, **kwargs)
+    out, lse = attention_triton(*inputs, **kwargs, with_lse=True)
     grad = torch.randn_like(out)
     fwd_s = _time(lambda: attention_triton(*inputs, **kwargs), args.iters, args.warmup, device)
-    bwd_s = _time(lambda: attention_backward_triton(grad, *inputs, **kwargs), args.iters, args.warmup, device)
+    # as training calls it: with the forward's output and log-sum-exp (softmax: no forward rerun)
+    bwd_s = _time(lambda: attention_backward_triton(grad, *inputs, out, lse, **kwargs), args.iters, args.warmup,
+                  device)
     cost = attention_cost(args.tokens, args.heads, args.head_dim, args.head_dim, causal=True,
                           dtype_bytes=out.element_size())
     rows = args.rows
@@ -165,11 +167,12 @@ def sweep(args, kernels: tuple[str, ...] = ("fwd", "bwd_kv", "bwd_q")) -> list[d
 
     device = torch.device(args.device)
     inputs, kwargs = _inputs(args, device)
-    grad = torch.randn_like(attention_triton(*inputs, **kwargs))
+    out, lse = attention_triton(*inputs, **kwargs, with_lse=True)
+    grad = torch.randn_like(out)
     rows = []
     for kernel in kernels:
         call = (lambda: attention_triton(*inputs, **kwargs)) if kernel == "fwd" else \
-            (lambda: attention_backward_triton(grad, *inputs, **kwargs))
+            (lambda: attention_backward_triton(grad, *inputs, out, lse, **kwargs))
         for tile in SWEEP_TILES:
             os.environ[f"GRCOMPILE_TILES_{kernel.upper()}"] = ",".join(map(str, tile))
             fitted = dict(_FITTED)

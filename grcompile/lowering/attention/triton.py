@@ -10,7 +10,9 @@ head-width padding are constexprs.
 Kernels, each over a grid of (block, row, head) with rows addressed by ``offsets``:
 
 * ``fwd``: a query block against the key blocks it may see (causal: up to its last query),
-  flash-style — ``tl.dot`` for ``q·kᵀ`` and ``A·v`` in fp32 accumulation; SiLU / identity, or an
+  the interior ones (inside the row, every pair allowed) without masks and the edge ones (the
+  causal diagonal, the row's last partial block) with them (the same split in both backward
+  kernels), flash-style — ``tl.dot`` for ``q·kᵀ`` and ``A·v`` in fp32 accumulation; SiLU / identity, or an
   online softmax that stores the log-sum-exp per (token, head) for the backward; dropout with the
   reference's counter hash (the same 32-bit lowbias32 rounds, in uint32), so masks are bit-identical.
 * ``bwd_kv``: a key block against the query blocks that see it: ``dk``, ``dv``, the gradients of the
