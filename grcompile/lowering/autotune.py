@@ -3,21 +3,27 @@
 The fastest tile of a kernel depends on the score_mod (the HSTU bias kernels ran up to 2.3x slower
 on the plain kernels' best tile on an H100), the head width, the dtype and the row length; a table
 of tiles cannot cover that. So on CUDA the first call of a kernel for a *key* — the generated
-module (its source digest names the score_mod variant), the kernel, dtype, head widths, plain or
-not, and :func:`length_bucket` of ``max_len`` — times the table's tile and the candidates
+module (its source digest: the score_mod, side tensors and tables), the kernel, its other
+constexprs (activation, causal, q·k, dropout, ...), dtype, head widths, and :func:`length_bucket`
+of ``max_len`` — times the table's tile and the candidates
 (``triton.testing.do_bench``), keeps the fastest, and every later call with that key launches it.
 A candidate over the device's shared memory (``OutOfResources``) is skipped.
 
 Choices are kept per process and written to ``tiles-<device>-triton<version>.json`` in the kernel
 cache directory, so the next process on the same kind of GPU does not tune again.
 
-Invariant: tuning never changes a result. Every candidate computes the same values (only the tile
-differs); buffers a kernel *accumulates* into (``atomic_add`` table gradients) are zeroed after the
-trials, and the chosen tile then runs once for the call's result.
+Invariant: tuning changes no result beyond float rounding. Every candidate computes the same
+values (only the tile, so the order of the fp32 sums, differs); buffers a kernel *accumulates*
+into (``atomic_add`` table gradients) are zeroed after the trials, and the chosen tile then runs
+once for the call's result. Since the choice follows measured times, two processes without a
+shared cache file may pick different tiles and differ in the last bits; ``GRCOMPILE_AUTOTUNE=0``
+(or one cache file) makes runs repeat bit for bit, as far as the kernels' table-gradient atomics
+allow.
 
-Off when ``GRCOMPILE_AUTOTUNE=0``, on CPU tensors (the interpreter: the table's small tile), while
-a CUDA graph is being captured (timing would synchronise the stream), and for a kernel whose tile
-is set by ``GRCOMPILE_TILES_<KERNEL>``.
+Off when ``GRCOMPILE_AUTOTUNE=0``, on CPU tensors (the interpreter: the table's small tile), and for
+a kernel whose tile is set by ``GRCOMPILE_TILES_<KERNEL>``. While a CUDA graph is being captured
+nothing is timed (it would synchronise the stream): a choice made before is used, else the table's
+tile. A remembered tile the device cannot load is forgotten and the table's tile runs.
 """
 from __future__ import annotations
 
@@ -83,6 +89,11 @@ class TileTuner:
         self._save(key, tile)
         return tile
 
+    def forget(self, key: Hashable) -> None:
+        """Drop ``key``'s choice (a remembered tile the device could not load), here and in the file."""
+        self.chosen.pop(key, None)
+        self._save(key, None)
+
     def report(self) -> list[dict]:
         """One record per tuned key: the key's fields, the chosen tile and every trial's time."""
         return [{"key": [str(part) for part in key], "chosen": _plain(self.chosen.get(key)),
@@ -100,12 +111,15 @@ class TileTuner:
         for text, (blocks, warps, stages) in saved.items():
             self.chosen.setdefault(text, (dict(blocks), int(warps), int(stages)))
 
-    def _save(self, key: Hashable, tile: Tile) -> None:
+    def _save(self, key: Hashable, tile: Optional[Tile]) -> None:
         if self.cache_file is None or not isinstance(key, str):
             return
         try:
             saved = json.loads(self.cache_file.read_text()) if self.cache_file.exists() else {}
-            saved[key] = _plain(tile)
+            if tile is None:
+                saved.pop(key, None)
+            else:
+                saved[key] = _plain(tile)
             self.cache_file.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.cache_file.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(saved, indent=1, sort_keys=True))

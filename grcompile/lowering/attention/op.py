@@ -103,11 +103,12 @@ def jagged_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """Gradients of ``jagged_attention`` by recomputation (the dropout mask is recomputed from
     ``seed``); integer side tensors / tables get an empty float placeholder (the autograd wrapper
-    turns it into ``None``). ``fwd_out`` / ``fwd_lse``: the forward's output and log-sum-exp
+    turns it into ``None``). ``fwd_lse`` / ``fwd_out``: the forward's log-sum-exp and output
     (softmax; :func:`jagged_attention_fwd`): given, the softmax weights are ``exp(s − lse)`` and the
-    row sum of the backward is ``Σ dO∘out``; None (or an empty ``fwd_lse``), they are recomputed."""
+    row sum of the backward is ``Σ dO∘out``; None (or an empty ``fwd_lse``), they are recomputed
+    (a kernel that needs both reruns the forward when ``fwd_out`` is None)."""
     impl = lookup("jagged_attention_backward", q.device.type)
-    stats = {} if fwd_out is None or fwd_lse is None or not fwd_lse.numel() else dict(fwd_out=fwd_out, fwd_lse=fwd_lse)
+    stats = {} if fwd_lse is None or not fwd_lse.numel() else dict(fwd_out=fwd_out, fwd_lse=fwd_lse)
     return impl(grad_out, q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), seed,
                 score_mod=score_mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale,
                 causal=causal, max_len=max_len, dropout_p=dropout_p, **stats)
@@ -124,24 +125,35 @@ def _(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed=None, 
 _KWARGS = ("score_mod", "use_qk", "activation", "scale", "out_scale", "causal", "max_len", "dropout_p")
 
 
+def _traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake (or functional) tensor of a trace, whose in-place writes become
+    out-of-place ops: AOTAutograd's joint graph (torch.compile), not eager execution."""
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(t)
+
+
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
     q, k, v, offsets, positions, q_side, k_side, tables, seed = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.n_q_side, ctx.n_k_side = len(q_side), len(k_side)
     ctx.has_seed = seed is not None
-    # the softmax's backward reads the forward's output and log-sum-exp (the output is usually
-    # saved anyway: the projection after the attention reads it)
-    ctx.has_stats = keyword_only_inputs["activation"] == "softmax"  # not lse.numel(): T may be unbacked
+    # the softmax's backward reads the forward's log-sum-exp and, where AOTAutograd traces the op,
+    # its output (usually saved anyway: the projection after the attention reads it). Run eagerly
+    # (lowering="eager", a direct call), a saved output would make an in-place write to it that
+    # eager allows (`out += residual`) fail the backward: there the backward sums Σ dO∘out itself.
+    ctx.has_lse = keyword_only_inputs["activation"] == "softmax"  # not lse.numel(): T may be unbacked
+    ctx.has_out = ctx.has_lse and _traced(out)
     ctx.save_for_backward(q, k, v, offsets, positions, *q_side, *k_side, *tables, *([seed] if ctx.has_seed else []),
-                          *([out, lse] if ctx.has_stats else []))
+                          *([out] if ctx.has_out else []), *([lse] if ctx.has_lse else []))
     ctx.kwargs = {name: keyword_only_inputs[name] for name in _KWARGS}
     ctx.floating = [t.is_floating_point() for t in (*q_side, *k_side, *tables)]
 
 
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, offsets, positions, *rest = ctx.saved_tensors
-    fwd_out, fwd_lse = (rest.pop(-2), rest.pop()) if ctx.has_stats else (None, None)
+    fwd_lse = rest.pop() if ctx.has_lse else None
+    fwd_out = rest.pop() if ctx.has_out else None
     seed = rest.pop() if ctx.has_seed else None
     q_side, k_side = rest[:ctx.n_q_side], rest[ctx.n_q_side:ctx.n_q_side + ctx.n_k_side]
     tables = rest[ctx.n_q_side + ctx.n_k_side:]

@@ -632,26 +632,36 @@ TUNE_TILES = {
     "bwd_kv": [(64, 64, 4, 4), (32, 64, 8, 3), (64, 64, 8, 3), (32, 64, 4, 3), (16, 64, 8, 3), (64, 128, 8, 3)],
     "bwd_q": [(128, 64, 8, 3), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 8, 3), (64, 16, 8, 2)],
 }
-_TUNER: Optional[TileTuner] = None
+_TUNERS: dict[str, TileTuner] = {}  # device -> its tuner
 
 
-def tuner() -> TileTuner:
-    """The process's tile tuner (its choices persist in the kernel cache directory, per GPU model)."""
-    global _TUNER
-    if _TUNER is None:
-        _TUNER = TileTuner(cache_file=device_cache_file(_CACHE_DIR, torch.cuda.current_device())
-                           if torch.cuda.is_available() else None)
-    return _TUNER
+def tuner(device: torch.device) -> TileTuner:
+    """``device``'s tile tuner (its choices persist in the kernel cache directory, per GPU model)."""
+    name = str(device)
+    if name not in _TUNERS:
+        _TUNERS[name] = TileTuner(cache_file=device_cache_file(_CACHE_DIR, device) if device.type == "cuda" else None)
+    return _TUNERS[name]
 
 
 def tuned_tiles() -> list[dict]:
     """The tiles the autotuner chose in this process, with every trial's time (bench JSON)."""
-    return _TUNER.report() if _TUNER is not None else []
+    return [record for t in _TUNERS.values() for record in t.report()]
 
 
 def _tunes(kernel: str, device: torch.device) -> bool:
-    return (autotune.AUTOTUNE and device.type == "cuda" and not os.environ.get(f"GRCOMPILE_TILES_{kernel.upper()}")
-            and not torch.cuda.is_current_stream_capturing())
+    return autotune.AUTOTUNE and device.type == "cuda" and not os.environ.get(f"GRCOMPILE_TILES_{kernel.upper()}")
+
+
+# the constexprs a generated module is compiled with besides its tile: each its own tuning key
+_VARIANT_CONSTEXPRS = ("ACT", "CAUSAL", "USE_QK", "DROPOUT", "IEEE", "OOB_ROWS")
+
+
+def _tune_key(module, kernel: str, meta: dict, dtype: torch.dtype, plain: bool, max_len: int) -> str:
+    """The autotuner's key: the module (its source digest: score_mod, sides, tables), the kernel,
+    every constexpr but the tile, dtype, head widths and the max-length bucket."""
+    return "|".join(str(part) for part in (
+        module.__name__, kernel, dtype, meta["DQK"], meta["DV"], *(f"{c}={meta[c]}" for c in _VARIANT_CONSTEXPRS),
+        "plain" if plain else "score_mod", autotune.length_bucket(max_len)))
 
 
 def _run_tile(module, kernel: str, meta: dict, max_len: int, B: int, args: tuple, tile: tuple) -> None:
@@ -674,13 +684,19 @@ def _launch(module, kernel: str, meta: dict, max_len: int, B: int, *args, plain:
         pads = dict(BLOCK_DQK=_pad(meta["DQK"]), BLOCK_DV=_pad(meta["DV"]))
         candidates = [launch_config(kernel, meta["DQK"], meta["DV"], device, plain=plain)] + \
             [(dict(BLOCK_M=bm, BLOCK_N=bn, **pads), warps, stages) for bm, bn, warps, stages in TUNE_TILES[kernel]]
-        key = "|".join(str(part) for part in (module.__name__, kernel, args[0].dtype, meta["DQK"], meta["DV"],
-                                              "plain" if plain else "score_mod", autotune.length_bucket(max_len)))
-        tile = tuner().choose(key, candidates, lambda t: _run_tile(module, kernel, meta, max_len, B, args, t),
-                              accumulators)
+        key = _tune_key(module, kernel, meta, args[0].dtype, plain, max_len)
+        tiles = tuner(device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            tile = tiles.chosen.get(key)  # timing would synchronise the captured stream: a choice made before
+        else:
+            tile = tiles.choose(key, candidates, lambda t: _run_tile(module, kernel, meta, max_len, B, args, t),
+                                accumulators)
         if tile is not None:
-            _run_tile(module, kernel, meta, max_len, B, args, tile)
-            return
+            try:
+                _run_tile(module, kernel, meta, max_len, B, args, tile)
+                return
+            except OutOfResources:  # a remembered tile this device cannot hold: the table's, shrunk
+                tiles.forget(key)
     key = (module.__name__, kernel, args[0].dtype, meta["DQK"], meta["DV"], plain,
            os.environ.get(f"GRCOMPILE_TILES_{kernel.upper()}"))  # a tuning run's tile is its own entry
     first = _FITTED.get(key) or launch_config(kernel, meta["DQK"], meta["DV"], device, plain=plain)

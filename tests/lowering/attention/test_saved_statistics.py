@@ -59,14 +59,15 @@ def test_reference_backward_with_statistics_equals_recomputing(dtype, dropout):
 
 
 def test_the_op_hands_its_statistics_to_the_backward(monkeypatch):
-    """Eager and under torch.compile (AOTAutograd partitions the saved lse): the backward is called
-    with the forward's output and log-sum-exp, and its gradients equal a recomputing backward's."""
+    """Under torch.compile (AOTAutograd partitions what is saved) the backward is called with the
+    forward's output and log-sum-exp, eagerly with the log-sum-exp; the gradients equal a
+    recomputing backward's."""
     entry = OPS["jagged_attention_backward"]
     seen = []
     original = entry.reference
 
     def recording(*args, **kwargs):
-        seen.append(kwargs.get("fwd_out") is not None and kwargs.get("fwd_lse") is not None)
+        seen.append((kwargs.get("fwd_out") is not None, kwargs.get("fwd_lse") is not None))
         return original(*args, **kwargs)
 
     def without_statistics(*args, fwd_out=None, fwd_lse=None, **kwargs):
@@ -83,10 +84,26 @@ def test_the_op_hands_its_statistics_to_the_backward(monkeypatch):
                                     fullgraph=True)
         q, k, v, *_, tables, _seed = args
         compiled = torch.autograd.grad(compiled_op(*args), [q, k, v, *tables], grad)
-    assert seen == [True, True]
+    # eagerly the output is not kept (an in-place write to it must stay legal): the lse alone
+    assert seen == [(False, True), (True, True)]
     for got in (eager, compiled):
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
+
+
+def test_an_in_place_write_to_the_output_is_legal_eagerly():
+    """Eager PyTorch allows ``out += residual`` after ``attn @ v`` (its backward needs no output);
+    the op run eagerly (``lowering="eager"``) must too."""
+    args, kwargs = _inputs(dropout=0.2)
+    q, k, v, *_, tables, _seed = args
+    residual = torch.randn(q.shape[0], 2, 4, dtype=F64)
+    out = torch.ops.grcompile.jagged_attention(*args, **kwargs)
+    out += residual
+    got = torch.autograd.grad(out.pow(2).sum(), [q, k, v, *tables])
+    plain = torch.ops.grcompile.jagged_attention(*args, **kwargs) + residual
+    want = torch.autograd.grad(plain.pow(2).sum(), [q, k, v, *tables])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
 
 
 def test_silu_keeps_no_statistics():
@@ -115,7 +132,7 @@ def test_a_compiled_softmax_model_runs_optimized_with_statistics(monkeypatch):
     original, seen = entry.reference, []
 
     def recording(*args, **kwargs):
-        seen.append(kwargs.get("fwd_lse") is not None)
+        seen.append(kwargs.get("fwd_lse") is not None and kwargs.get("fwd_out") is not None)
         return original(*args, **kwargs)
     monkeypatch.setattr(entry, "reference", recording)
     torch._dynamo.reset()

@@ -476,10 +476,10 @@ def test_autotuned_tiles_keep_values_and_gradients(monkeypatch, tmp_path):
             fn()
         return 9.0 if len(timed) % 3 == 2 else 8.0
     cache = tmp_path / "tiles.json"
-    monkeypatch.setattr(at, "_TUNER", autotune.TileTuner(timer=timer, cache_file=cache))
+    monkeypatch.setattr(at, "_TUNERS", {"cpu": autotune.TileTuner(timer=timer, cache_file=cache)})
     args, kwargs = _case([23, 0, 1, 7], 2, 8, 8, "silu", True, 0.2, "hstu", 11)
     _assert_match(args, kwargs)
-    tuner = at._TUNER
+    tuner = at._TUNERS["cpu"]
     assert len(tuner.chosen) == 3 and len(timed) == 9, (tuner.chosen, len(timed))
     assert all(tile[0]["BLOCK_M"] == (16 if key.split("|")[1] != "bwd_kv" else 32) for key, tile in
                tuner.chosen.items()), tuner.chosen
@@ -533,3 +533,37 @@ def test_interior_blocks_run_unmasked_with_the_same_values(monkeypatch, tiles, c
         dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=at._pad(dqk), BLOCK_DV=at._pad(dv)), 4, 1))
     lengths = [70, 0, 1, 32, 33, 16, 17]
     _assert_match(*_case(lengths, 2, 8, 8, activation, causal, 0.25, bias, 21))
+
+
+def test_a_remembered_tile_the_device_cannot_load_is_forgotten(monkeypatch):
+    """A tuned tile that raises OutOfResources when loaded (a cache file from another setup) is
+    dropped and the table's tile runs; variants of one module source (activation, causal, ...:
+    constexprs) are tuned apart."""
+    from triton.runtime.errors import OutOfResources
+
+    from grcompile.lowering import autotune
+
+    launched = []
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            def run(*args, BLOCK_M, BLOCK_N, num_warps, num_stages, **meta):
+                if BLOCK_M == 64:
+                    raise OutOfResources(1 << 20, 1 << 17, "shared memory")
+                launched.append((BLOCK_M, BLOCK_N))
+            return run
+
+    class Module:
+        __name__ = "fake_module_remembered"
+        fwd = FakeKernel()
+    monkeypatch.setattr(at, "_tunes", lambda kernel, device: True)
+    monkeypatch.setattr(at, "_FITTED", {})
+    tuner = autotune.TileTuner(timer=lambda fn: pytest.fail("nothing is tuned: the choice is remembered"))
+    monkeypatch.setattr(at, "_TUNERS", {"cpu": tuner})
+    meta = dict(H=2, DQK=64, DV=64, ACT=1, CAUSAL=True, USE_QK=True, DROPOUT=False, IEEE=2, OOB_ROWS=False)
+    key = at._tune_key(Module, "fwd", meta, torch.float32, False, 300)
+    assert key != at._tune_key(Module, "fwd", dict(meta, ACT=2), torch.float32, False, 300)
+    assert key != at._tune_key(Module, "fwd", dict(meta, CAUSAL=False), torch.float32, False, 300)
+    tuner.chosen[key] = (dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DQK=64, BLOCK_DV=64), 4, 3)
+    at._launch(Module, "fwd", meta, 300, 3, torch.zeros(4, 2, 64))
+    assert key not in tuner.chosen and launched == [(16, 16)]  # the interpreter's table tile
