@@ -36,7 +36,8 @@ def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
     """One spec entry per (variant, kernel, arch) of ``seen`` (``attention.SEEN_VARIANTS``); a
     variant the kernels cannot run (its score_mod has an op the generator does not know) gets an
     entry with ``error`` instead."""
-    from .attention.triton import Variant, _bucket, _kernel_signature, kernels_for, launch_config, tile_source, _ACT
+    from .attention.triton import (Variant, _bucket, _kernel_signature, kernels_for, launch_config, split_interior,
+                                    tile_source, _ACT)
     from .score_mod_codegen import Unsupported
 
     entries = []
@@ -65,7 +66,8 @@ def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
                     kernel=f"jagged_attention_{kernel}", module=module.__file__, fn=kernel, arch=arch,
                     signature=_kernel_signature(fn, kernel_dtype, q_sides, k_sides, all_tables),
                     constexprs=dict(blocks, ACT=_ACT[activation], CAUSAL=causal, USE_QK=use_qk, DROPOUT=dropout,
-                                    IEEE=int(kernel_dtype == torch.float32), OOB_ROWS=arch == "sm_80"),
+                                    IEEE=int(kernel_dtype == torch.float32), OOB_ROWS=arch == "sm_80",
+                                    SPLIT=split_interior(bool(score_mod))),
                     num_warps=warps, num_stages=stages, uses_dot=kernel_dtype != torch.float32,
                     config=dict(config, tiles=tile_source(kernel, arch, _bucket(max(dqk, dv)), plain))))
     return entries

@@ -120,7 +120,7 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
         H, DQK, DV, scale, out_scale, keep_scale, threshold,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
         ACT: tl.constexpr, CAUSAL: tl.constexpr, USE_QK: tl.constexpr, DROPOUT: tl.constexpr,
-        IEEE: tl.constexpr, OOB_ROWS: tl.constexpr):
+        IEEE: tl.constexpr, OOB_ROWS: tl.constexpr, SPLIT: tl.constexpr):
     pid_m = tl.program_id(0)
     row = tl.program_id(1)
     head = tl.program_id(2)
@@ -235,7 +235,7 @@ def bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, OFFS, POS, SEED, {extra_params} 
            H, DQK, DV, scale, out_scale, keep_scale, threshold,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
            ACT: tl.constexpr, CAUSAL: tl.constexpr, USE_QK: tl.constexpr, DROPOUT: tl.constexpr,
-           IEEE: tl.constexpr, OOB_ROWS: tl.constexpr):
+           IEEE: tl.constexpr, OOB_ROWS: tl.constexpr, SPLIT: tl.constexpr):
     pid_n = tl.program_id(0)
     row = tl.program_id(1)
     head = tl.program_id(2)
@@ -276,7 +276,7 @@ def bwd_q(Q, K, V, DO, LSE, DELTA, DQ, OFFS, POS, SEED, {extra_params} {grad_par
           H, DQK, DV, scale, out_scale, keep_scale, threshold,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
           ACT: tl.constexpr, CAUSAL: tl.constexpr, USE_QK: tl.constexpr, DROPOUT: tl.constexpr,
-          IEEE: tl.constexpr, OOB_ROWS: tl.constexpr):
+          IEEE: tl.constexpr, OOB_ROWS: tl.constexpr, SPLIT: tl.constexpr):
     pid_m = tl.program_id(0)
     row = tl.program_id(1)
     head = tl.program_id(2)
@@ -342,21 +342,25 @@ _BWD_Q_TILE = '''\
 _MASKED = "PAIR & (k_pos <= q_pos) if CAUSAL else PAIR"
 
 
-def _block_loops(tile: str, var: str, bounds: list[tuple[str, bool]], **fields: str) -> str:
-    """A kernel's loops over ``var``'s blocks (``"m0"``: query blocks, ``"n0"``: key blocks), one per
-    ``(range, interior)``: an interior block lies inside the row and every pair of it is allowed, so
-    its tile runs without masks (an all-true constant mask, which folds away); the others — the
-    causal diagonal, the row's last partial block — with them. A field named ``x_interior`` /
+def _block_loops(tile: str, var: str, split: list[tuple[str, bool]], whole: str, **fields: str) -> str:
+    """A kernel's loops over ``var``'s blocks (``"m0"``: query blocks, ``"n0"``: key blocks). Under
+    the constexpr ``SPLIT`` (:func:`split_interior`) one loop per ``(range, interior)`` of
+    ``split``: an interior block lies inside the row and every pair of it is allowed, so its tile
+    runs without masks (an all-true constant mask, which folds away); the others — the causal
+    diagonal, the row's last partial block — with them. Otherwise one masked loop over ``whole``
+    (a compile-time branch: the unused one is not compiled). A field named ``x_interior`` /
     ``x_edge`` fills ``{x}`` in the interior / edge tiles; the others fill both."""
     ok, block, offs = ("q_ok", "BLOCK_M", "offs_m") if var == "m0" else ("k_ok", "BLOCK_N", "offs_n")
     shared = {name: value for name, value in fields.items() if not name.endswith(("_interior", "_edge"))}
-    out = []
-    for bound, interior in bounds:
+
+    def loop(bound: str, interior: bool) -> str:
         suffix = "_interior" if interior else "_edge"
         chosen = {name[:-len(suffix)]: value for name, value in fields.items() if name.endswith(suffix)}
         mask = f"tl.full([{block}], 1, tl.int1)" if interior else f"{offs} < L"
-        out.append(f"    for {var} in range({bound}, {block}):\n" + tile.format(**{ok: mask}, **chosen, **shared))
-    return "".join(out)
+        body = f"    for {var} in range({bound}, {block}):\n" + tile.format(**{ok: mask}, **chosen, **shared)
+        return "".join("    " + line if line.strip() else line for line in body.splitlines(keepends=True))
+    return ("    if SPLIT:\n" + "".join(loop(bound, interior) for bound, interior in split) +
+            "    else:\n" + loop(whole, False))
 
 
 def _indent(lines: list[str], spaces: int) -> str:
@@ -408,7 +412,7 @@ def _render(code: Optional[ScoreModCode], n_q: int, n_k: int, table_ranks: list[
     key_blocks = [("0, full", True), ("full, hi", False)]  # fwd, bwd_q: see `full` in their source
     src = _HEADER
     src += _FWD.format(extra_params=extra_params, load_q_sides=load_q, loops=_block_loops(
-        _FWD_TILE, "n0", key_blocks, allowed_interior="PAIR", allowed_edge=_MASKED, load_k_sides=load_k,
+        _FWD_TILE, "n0", key_blocks, "0, hi", allowed_interior="PAIR", allowed_edge=_MASKED, load_k_sides=load_k,
         score_mod=sm))
     # bwd_kv: k sides outside the loop, q sides inside
     src += _BWD_KV.format(
@@ -416,7 +420,7 @@ def _render(code: Optional[ScoreModCode], n_q: int, n_k: int, table_ranks: list[
         load_k_sides=loads("KS", n_k, "k", "k_ok", "k_tok", 4),
         init_k_side_grads=_indent([f"gks_acc{i} = tl.zeros([1, BLOCK_N], tl.float32)" for i in fk], 4),
         loops=_block_loops(_BWD_KV_TILE, "m0", [("lo, mid", False), ("mid, full_end", True), ("full_end, L", False)],
-                           load_q_sides_inner=loads("QS", n_q, "q", "q_ok", "q_tok", 8),
+                           "lo, L", load_q_sides_inner=loads("QS", n_q, "q", "q_ok", "q_tok", 8),
                            acc_k_side_grads=_indent([f"gks_acc{i} = gks_acc{i} + g_ks{i}" for i in fk], 8),
                            **pairs(backward_kv)),
         store_k_side_grads=_indent([f"tl.store(DKS{i} + k_tok[None, :] * H + head, gks_acc{i}, mask=k_ok[None, :])"
@@ -424,7 +428,7 @@ def _render(code: Optional[ScoreModCode], n_q: int, n_k: int, table_ranks: list[
     src += _BWD_Q.format(
         extra_params=extra_params, grad_params=grad_params, load_q_sides=load_q,
         init_q_side_grads=_indent([f"gqs_acc{i} = tl.zeros([BLOCK_M, 1], tl.float32)" for i in fq], 4),
-        loops=_block_loops(_BWD_Q_TILE, "n0", key_blocks, load_k_sides_inner=load_k,
+        loops=_block_loops(_BWD_Q_TILE, "n0", key_blocks, "0, hi", load_k_sides_inner=load_k,
                            acc_q_side_grads=_indent([f"gqs_acc{i} = gqs_acc{i} + g_qs{i}" for i in fq], 8),
                            **pairs(backward_q)),
         store_q_side_grads=_indent([f"tl.store(DQS{i} + q_tok[:, None] * H + head, gqs_acc{i}, mask=q_ok[:, None])"
@@ -582,7 +586,16 @@ def _check_supported(q: torch.Tensor, v: torch.Tensor, tables, max_len: int) -> 
         raise TritonFallback(f"{', '.join(big) or 'tokens x heads'} has 2**31 elements or more (int32 offsets)")
 
 
-def _common(q, k, v, offsets, positions, seed, *, activation, causal, use_qk, scale, out_scale, dropout_p):
+def split_interior(has_score_mod: bool) -> bool:
+    """Whether the kernels run interior blocks in an unmasked loop apart (``SPLIT``): without a
+    score_mod. With one, the second copy of the tile's score_mod code made the AOT compile spill
+    (HSTU fwd on sm_80: 72 B, bwd_q on sm_90: 24 B; the per-head time table's fwd on sm_80:
+    48 B), and its table gathers, not the mask, are those kernels' cost."""
+    return not has_score_mod
+
+
+def _common(q, k, v, offsets, positions, seed, *, activation, causal, use_qk, scale, out_scale, dropout_p,
+            split=False):
     H = q.shape[1]
     threshold = round(dropout_p * (1 << 24))
     seed_t = seed if seed is not None else torch.zeros(1, dtype=torch.int64, device=q.device)
@@ -590,7 +603,7 @@ def _common(q, k, v, offsets, positions, seed, *, activation, causal, use_qk, sc
                 keep_scale=1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0, threshold=threshold,
                 ACT=_ACT[activation], CAUSAL=causal, USE_QK=use_qk, DROPOUT=dropout_p > 0,
                 IEEE=2 if q.device.type == "cpu" else int(q.dtype == torch.float32),
-                OOB_ROWS=q.device.type == "cuda" and gpu_arch(q.device) == "sm_80"), seed_t
+                OOB_ROWS=q.device.type == "cuda" and gpu_arch(q.device) == "sm_80", SPLIT=split), seed_t
 
 
 TABLE_GRAD_REPLICAS = int(os.environ.get("GRCOMPILE_TABLE_GRAD_REPLICAS", "32"))  # at most; see table_grad_lines
@@ -653,7 +666,7 @@ def _tunes(kernel: str, device: torch.device) -> bool:
 
 
 # the constexprs a generated module is compiled with besides its tile: each its own tuning key
-_VARIANT_CONSTEXPRS = ("ACT", "CAUSAL", "USE_QK", "DROPOUT", "IEEE", "OOB_ROWS")
+_VARIANT_CONSTEXPRS = ("ACT", "CAUSAL", "USE_QK", "DROPOUT", "IEEE", "OOB_ROWS", "SPLIT")
 
 
 def _tune_key(module, kernel: str, meta: dict, dtype: torch.dtype, plain: bool, max_len: int) -> str:
@@ -738,7 +751,7 @@ def _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score
     lse = torch.empty((T, H) if activation == "softmax" else (0,), dtype=torch.float32, device=q.device)
     oob = torch.zeros(1, dtype=torch.int32, device=q.device)
     meta, seed_t = _common(q, k, v, offsets, positions, seed, activation=activation, causal=causal, use_qk=use_qk,
-                           scale=scale, out_scale=out_scale, dropout_p=dropout_p)
+                           scale=scale, out_scale=out_scale, dropout_p=dropout_p, split=split_interior(code is not None))
     B = offsets.shape[0] - 1
     if T and B:
         lse_arg = lse if lse.numel() else torch.empty(1, dtype=torch.float32, device=q.device)
@@ -818,7 +831,7 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
     dqs = {i: torch.zeros(T, H, dtype=torch.float32, device=q.device) for i in fq}
     dks = {i: torch.zeros(T, H, dtype=torch.float32, device=q.device) for i in fk}
     meta, seed_t = _common(q, k, v, offsets, positions, seed, activation=activation, causal=causal, use_qk=use_qk,
-                           scale=scale, out_scale=out_scale, dropout_p=dropout_p)
+                           scale=scale, out_scale=out_scale, dropout_p=dropout_p, split=split_interior(code is not None))
     plain = _is_plain(meta, code is not None)
     blocks_kv = launch_config("bwd_kv", q.shape[2], v.shape[2], q.device, plain=plain)[0]
     replicas = _table_grad_replicas([tables[i].numel() for i in ft],
@@ -940,7 +953,7 @@ def case_aot_config(case: tuple, kernel: str, arch: str, d: int, tile: Optional[
     else:
         blocks, (warps, stages) = dict(BLOCK_M=tile[0], BLOCK_N=tile[1], BLOCK_DQK=_pad(d), BLOCK_DV=_pad(d)), tile[2:]
     constexprs = dict(blocks, ACT=_ACT[activation], CAUSAL=True, USE_QK=use_qk, DROPOUT=dropout, IEEE=0,
-                      OOB_ROWS=arch == "sm_80")
+                      OOB_ROWS=arch == "sm_80", SPLIT=split_interior(bool(key)))
     fn = getattr(module, kernel)
     return dict(kernel=f"jagged_attention_{kernel}", fn=fn, arch=arch,
                 signature=_kernel_signature(fn, torch.bfloat16, q_sides, k_sides, all_tables),

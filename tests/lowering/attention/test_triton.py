@@ -521,7 +521,7 @@ def test_softmax_backward_reads_the_forwards_statistics(monkeypatch, bias):
 @pytest.mark.parametrize("tiles,causal,activation,bias", [
     ((16, 16), True, "softmax", "hstu"), ((32, 16), True, "softmax", "hstu"), ((16, 32), True, "softmax", "hstu"),
     ((32, 16), True, "silu", "hstu"), ((16, 32), True, "identity", "none"), ((32, 16), False, "softmax", "hstu"),
-    ((16, 32), False, "silu", "hstu")], ids=str)
+    ((16, 32), False, "silu", "hstu"), ((32, 16), True, "softmax", "none")], ids=str)
 def test_interior_blocks_run_unmasked_with_the_same_values(monkeypatch, tiles, causal, activation, bias):
     """Each kernel runs the blocks inside the row that every query may see whole without masks and
     the diagonal / last partial blocks with them: rows of many blocks (and of exactly one, two, and
@@ -529,6 +529,7 @@ def test_interior_blocks_run_unmasked_with_the_same_values(monkeypatch, tiles, c
     gradient. (Biases that mask the future themselves, like an additive -1e9, would hide a block
     wrongly run unmasked: these do not.)"""
     bm, bn = tiles
+    monkeypatch.setattr(at, "split_interior", lambda has_score_mod: True)  # also where a score_mod turns it off
     monkeypatch.setattr(at, "launch_config", lambda kernel, dqk, dv, *a, **k: (
         dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_DQK=at._pad(dqk), BLOCK_DV=at._pad(dv)), 4, 1))
     lengths = [70, 0, 1, 32, 33, 16, 17]
@@ -560,7 +561,8 @@ def test_a_remembered_tile_the_device_cannot_load_is_forgotten(monkeypatch):
     monkeypatch.setattr(at, "_FITTED", {})
     tuner = autotune.TileTuner(timer=lambda fn: pytest.fail("nothing is tuned: the choice is remembered"))
     monkeypatch.setattr(at, "_TUNERS", {"cpu": tuner})
-    meta = dict(H=2, DQK=64, DV=64, ACT=1, CAUSAL=True, USE_QK=True, DROPOUT=False, IEEE=2, OOB_ROWS=False)
+    meta = dict(H=2, DQK=64, DV=64, ACT=1, CAUSAL=True, USE_QK=True, DROPOUT=False, IEEE=2, OOB_ROWS=False,
+                SPLIT=False)
     key = at._tune_key(Module, "fwd", meta, torch.float32, False, 300)
     assert key != at._tune_key(Module, "fwd", dict(meta, ACT=2), torch.float32, False, 300)
     assert key != at._tune_key(Module, "fwd", dict(meta, CAUSAL=False), torch.float32, False, 300)
