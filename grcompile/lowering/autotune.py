@@ -89,6 +89,11 @@ class TileTuner:
         self._save(key, tile)
         return tile
 
+    def remembered(self, key: Hashable) -> Optional[Tile]:
+        """``key``'s choice from this process or the cache file, without timing anything."""
+        self._load()
+        return self.chosen.get(key)
+
     def forget(self, key: Hashable) -> None:
         """Drop ``key``'s choice (a remembered tile the device could not load), here and in the file."""
         self.chosen.pop(key, None)

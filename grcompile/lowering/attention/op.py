@@ -106,7 +106,8 @@ def jagged_attention_backward(
     turns it into ``None``). ``fwd_lse`` / ``fwd_out``: the forward's log-sum-exp and output
     (softmax; :func:`jagged_attention_fwd`): given, the softmax weights are ``exp(s − lse)`` and the
     row sum of the backward is ``Σ dO∘out``; None (or an empty ``fwd_lse``), they are recomputed
-    (a kernel that needs both reruns the forward when ``fwd_out`` is None)."""
+    (a kernel that needs both reruns the forward when ``fwd_out`` is None). ``positions`` must
+    increase strictly within each row, as the forward checked (not checked again here)."""
     impl = lookup("jagged_attention_backward", q.device.type)
     stats = {} if fwd_lse is None or not fwd_lse.numel() else dict(fwd_out=fwd_out, fwd_lse=fwd_lse)
     return impl(grad_out, q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), seed,
@@ -138,12 +139,15 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.mark_non_differentiable(lse)
     ctx.n_q_side, ctx.n_k_side = len(q_side), len(k_side)
     ctx.has_seed = seed is not None
-    # the softmax's backward reads the forward's log-sum-exp and, where AOTAutograd traces the op,
-    # its output (usually saved anyway: the projection after the attention reads it). Run eagerly
-    # (lowering="eager", a direct call), a saved output would make an in-place write to it that
-    # eager allows (`out += residual`) fail the backward: there the backward sums Σ dO∘out itself.
+    # the softmax's backward reads the forward's log-sum-exp and output (usually saved anyway: the
+    # projection after the attention reads it). Where AOTAutograd traces the op, in-place writes
+    # become out-of-place ops and the output is saved. Run eagerly (lowering="eager", a direct
+    # call), a saved output would make an in-place write that eager allows (`out += residual`)
+    # fail the backward: there it is kept unsaved with its version, and used only if unchanged.
     ctx.has_lse = keyword_only_inputs["activation"] == "softmax"  # not lse.numel(): T may be unbacked
     ctx.has_out = ctx.has_lse and _traced(out)
+    ctx.eager_out = out.detach() if ctx.has_lse and not ctx.has_out else None  # no grad_fn: no reference cycle
+    ctx.eager_out_version = out._version if ctx.eager_out is not None else None
     ctx.save_for_backward(q, k, v, offsets, positions, *q_side, *k_side, *tables, *([seed] if ctx.has_seed else []),
                           *([out] if ctx.has_out else []), *([lse] if ctx.has_lse else []))
     ctx.kwargs = {name: keyword_only_inputs[name] for name in _KWARGS}
@@ -154,6 +158,8 @@ def _backward(ctx, grad_out, _grad_lse):
     q, k, v, offsets, positions, *rest = ctx.saved_tensors
     fwd_lse = rest.pop() if ctx.has_lse else None
     fwd_out = rest.pop() if ctx.has_out else None
+    if ctx.eager_out is not None and ctx.eager_out._version == ctx.eager_out_version:
+        fwd_out = ctx.eager_out  # written in place since (a shared version counter): summed in the backward
     seed = rest.pop() if ctx.has_seed else None
     q_side, k_side = rest[:ctx.n_q_side], rest[ctx.n_q_side:ctx.n_q_side + ctx.n_k_side]
     tables = rest[ctx.n_q_side + ctx.n_k_side:]

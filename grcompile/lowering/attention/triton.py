@@ -700,7 +700,7 @@ def _launch(module, kernel: str, meta: dict, max_len: int, B: int, *args, plain:
         key = _tune_key(module, kernel, meta, args[0].dtype, plain, max_len)
         tiles = tuner(device)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            tile = tiles.chosen.get(key)  # timing would synchronise the captured stream: a choice made before
+            tile = tiles.remembered(key)  # timing would synchronise the captured stream: a choice made before
         else:
             tile = tiles.choose(key, candidates, lambda t: _run_tile(module, kernel, meta, max_len, B, args, t),
                                 accumulators)

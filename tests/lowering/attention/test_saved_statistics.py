@@ -59,9 +59,8 @@ def test_reference_backward_with_statistics_equals_recomputing(dtype, dropout):
 
 
 def test_the_op_hands_its_statistics_to_the_backward(monkeypatch):
-    """Under torch.compile (AOTAutograd partitions what is saved) the backward is called with the
-    forward's output and log-sum-exp, eagerly with the log-sum-exp; the gradients equal a
-    recomputing backward's."""
+    """Eagerly and under torch.compile (AOTAutograd partitions what is saved) the backward is called
+    with the forward's output and log-sum-exp; the gradients equal a recomputing backward's."""
     entry = OPS["jagged_attention_backward"]
     seen = []
     original = entry.reference
@@ -84,8 +83,7 @@ def test_the_op_hands_its_statistics_to_the_backward(monkeypatch):
                                     fullgraph=True)
         q, k, v, *_, tables, _seed = args
         compiled = torch.autograd.grad(compiled_op(*args), [q, k, v, *tables], grad)
-    # eagerly the output is not kept (an in-place write to it must stay legal): the lse alone
-    assert seen == [(False, True), (True, True)]
+    assert seen == [(True, True), (True, True)]
     for got in (eager, compiled):
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
@@ -97,9 +95,21 @@ def test_an_in_place_write_to_the_output_is_legal_eagerly():
     args, kwargs = _inputs(dropout=0.2)
     q, k, v, *_, tables, _seed = args
     residual = torch.randn(q.shape[0], 2, 4, dtype=F64)
+    entry = OPS["jagged_attention_backward"]
+    original, seen = entry.reference, []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("fwd_out") is not None)
+        return original(*args, **kwargs)
     out = torch.ops.grcompile.jagged_attention(*args, **kwargs)
     out += residual
-    got = torch.autograd.grad(out.pow(2).sum(), [q, k, v, *tables])
+    with use_backend("reference"):
+        entry.reference = recording
+        try:
+            got = torch.autograd.grad(out.pow(2).sum(), [q, k, v, *tables])
+        finally:
+            entry.reference = original
+    assert seen == [False]  # the written output is not used: the backward sums its row term itself
     plain = torch.ops.grcompile.jagged_attention(*args, **kwargs) + residual
     want = torch.autograd.grad(plain.pow(2).sum(), [q, k, v, *tables])
     for a, b in zip(got, want):

@@ -492,6 +492,7 @@ def test_autotuned_tiles_keep_values_and_gradients(monkeypatch, tmp_path):
     fresh = autotune.TileTuner(timer=timer, cache_file=cache)
     key = next(iter(tuner.chosen))
     assert fresh.choose(key, [], lambda tile: None) == tuner.chosen[key]
+    assert autotune.TileTuner(cache_file=cache).remembered(key) == tuner.chosen[key]  # what a CUDA graph capture reads
     assert len(timed) == 18
 
 
