@@ -196,6 +196,16 @@ _FWD_TILE = '''\
         acc = acc + _dot(p.to(v.dtype), v, IEEE)
 '''
 
+# a query block's inputs in both backward kernels (bwd_q: its own block; bwd_kv: each block it loops over)
+_LOAD_QUERY_BLOCK = [
+    "q = _load_tile(Q, q_tok, q_ok, stride_qt, head, stride_qh, dqk, DQK)",
+    "do = _load_tile(DO, q_tok, q_ok, stride_ot, head, stride_oh, dv, DV)",
+    "q_pos = tl.load(POS + q_tok, mask=q_ok, other=0).to(tl.int32)[:, None]",
+    "if ACT == 2:",
+    "    lse = tl.load(LSE + q_tok * H + head, mask=q_ok, other=float(\"inf\"))",
+    "    delta = tl.load(DELTA + q_tok * H + head, mask=q_ok, other=0.0)",
+]
+
 # the shared body of both backward kernels: recompute the pair tile, then g_s (raw-score grad)
 _BWD_PAIR = '''\
         PAIR = q_ok[:, None] & k_ok[None, :]
@@ -290,12 +300,7 @@ def bwd_q(Q, K, V, DO, LSE, DELTA, DQ, OFFS, POS, SEED, {extra_params} {grad_par
     q_tok = start + offs_m
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
-    q = _load_tile(Q, q_tok, q_ok, stride_qt, head, stride_qh, dqk, DQK)
-    do = _load_tile(DO, q_tok, q_ok, stride_ot, head, stride_oh, dv, DV)
-    q_pos = tl.load(POS + q_tok, mask=q_ok, other=0).to(tl.int32)[:, None]
-    if ACT == 2:
-        lse = tl.load(LSE + q_tok * H + head, mask=q_ok, other=float("inf"))
-        delta = tl.load(DELTA + q_tok * H + head, mask=q_ok, other=0.0)
+{load_query_block}
 {load_q_sides}
     seed = tl.load(SEED) if DROPOUT else 0
     dq_acc = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
@@ -311,12 +316,7 @@ _BWD_KV_TILE = '''\
         offs_m = m0 + tl.arange(0, BLOCK_M)
         q_ok = {q_ok}
         q_tok = start + offs_m
-        q = _load_tile(Q, q_tok, q_ok, stride_qt, head, stride_qh, dqk, DQK)
-        do = _load_tile(DO, q_tok, q_ok, stride_ot, head, stride_oh, dv, DV)
-        q_pos = tl.load(POS + q_tok, mask=q_ok, other=0).to(tl.int32)[:, None]
-        if ACT == 2:
-            lse = tl.load(LSE + q_tok * H + head, mask=q_ok, other=float("inf"))
-            delta = tl.load(DELTA + q_tok * H + head, mask=q_ok, other=0.0)
+{load_query_block}
 {load_q_sides_inner}
 {pair}
         dv_acc = dv_acc + _dot(tl.trans((a * w).to(do.dtype)), do, IEEE)
@@ -420,14 +420,15 @@ def _render(code: Optional[ScoreModCode], n_q: int, n_k: int, table_ranks: list[
         load_k_sides=loads("KS", n_k, "k", "k_ok", "k_tok", 4),
         init_k_side_grads=_indent([f"gks_acc{i} = tl.zeros([1, BLOCK_N], tl.float32)" for i in fk], 4),
         loops=_block_loops(_BWD_KV_TILE, "m0", [("lo, mid", False), ("mid, full_end", True), ("full_end, L", False)],
-                           "lo, L", load_q_sides_inner=loads("QS", n_q, "q", "q_ok", "q_tok", 8),
+                           "lo, L", load_query_block=_indent(_LOAD_QUERY_BLOCK, 8),
+                           load_q_sides_inner=loads("QS", n_q, "q", "q_ok", "q_tok", 8),
                            acc_k_side_grads=_indent([f"gks_acc{i} = gks_acc{i} + g_ks{i}" for i in fk], 8),
                            **pairs(backward_kv)),
         store_k_side_grads=_indent([f"tl.store(DKS{i} + k_tok[None, :] * H + head, gks_acc{i}, mask=k_ok[None, :])"
                                     for i in fk], 4))
     src += _BWD_Q.format(
-        extra_params=extra_params, grad_params=grad_params, load_q_sides=load_q,
-        init_q_side_grads=_indent([f"gqs_acc{i} = tl.zeros([BLOCK_M, 1], tl.float32)" for i in fq], 4),
+        extra_params=extra_params, grad_params=grad_params, load_query_block=_indent(_LOAD_QUERY_BLOCK, 4),
+        load_q_sides=load_q, init_q_side_grads=_indent([f"gqs_acc{i} = tl.zeros([BLOCK_M, 1], tl.float32)" for i in fq], 4),
         loops=_block_loops(_BWD_Q_TILE, "n0", key_blocks, "0, hi", load_k_sides_inner=load_k,
                            acc_q_side_grads=_indent([f"gqs_acc{i} = gqs_acc{i} + g_qs{i}" for i in fq], 8),
                            **pairs(backward_q)),
@@ -669,12 +670,13 @@ def _tunes(kernel: str, device: torch.device) -> bool:
 _VARIANT_CONSTEXPRS = ("ACT", "CAUSAL", "USE_QK", "DROPOUT", "IEEE", "OOB_ROWS", "SPLIT")
 
 
-def _tune_key(module, kernel: str, meta: dict, dtype: torch.dtype, plain: bool, max_len: int) -> str:
+def _tune_key(module, kernel: str, meta: dict, dtype: torch.dtype, max_len: int) -> str:
     """The autotuner's key: the module (its source digest: score_mod, sides, tables), the kernel,
-    every constexpr but the tile, dtype, head widths and the max-length bucket."""
+    every constexpr but the tile, dtype, head widths and the max-length bucket (whether the
+    variant is "plain" follows from the module and DROPOUT)."""
     return "|".join(str(part) for part in (
         module.__name__, kernel, dtype, meta["DQK"], meta["DV"], *(f"{c}={meta[c]}" for c in _VARIANT_CONSTEXPRS),
-        "plain" if plain else "score_mod", autotune.length_bucket(max_len)))
+        autotune.length_bucket(max_len)))
 
 
 def _run_tile(module, kernel: str, meta: dict, max_len: int, B: int, args: tuple, tile: tuple) -> None:
@@ -697,7 +699,7 @@ def _launch(module, kernel: str, meta: dict, max_len: int, B: int, *args, plain:
         pads = dict(BLOCK_DQK=_pad(meta["DQK"]), BLOCK_DV=_pad(meta["DV"]))
         candidates = [launch_config(kernel, meta["DQK"], meta["DV"], device, plain=plain)] + \
             [(dict(BLOCK_M=bm, BLOCK_N=bn, **pads), warps, stages) for bm, bn, warps, stages in TUNE_TILES[kernel]]
-        key = _tune_key(module, kernel, meta, args[0].dtype, plain, max_len)
+        key = _tune_key(module, kernel, meta, args[0].dtype, max_len)
         tiles = tuner(device)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             tile = tiles.remembered(key)  # timing would synchronise the captured stream: a choice made before

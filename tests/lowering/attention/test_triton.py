@@ -564,9 +564,9 @@ def test_a_remembered_tile_the_device_cannot_load_is_forgotten(monkeypatch):
     monkeypatch.setattr(at, "_TUNERS", {"cpu": tuner})
     meta = dict(H=2, DQK=64, DV=64, ACT=1, CAUSAL=True, USE_QK=True, DROPOUT=False, IEEE=2, OOB_ROWS=False,
                 SPLIT=False)
-    key = at._tune_key(Module, "fwd", meta, torch.float32, False, 300)
-    assert key != at._tune_key(Module, "fwd", dict(meta, ACT=2), torch.float32, False, 300)
-    assert key != at._tune_key(Module, "fwd", dict(meta, CAUSAL=False), torch.float32, False, 300)
+    key = at._tune_key(Module, "fwd", meta, torch.float32, 300)
+    assert key != at._tune_key(Module, "fwd", dict(meta, ACT=2), torch.float32, 300)
+    assert key != at._tune_key(Module, "fwd", dict(meta, CAUSAL=False), torch.float32, 300)
     tuner.chosen[key] = (dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DQK=64, BLOCK_DV=64), 4, 3)
     at._launch(Module, "fwd", meta, 300, 3, torch.zeros(4, 2, 64))
     assert key not in tuner.chosen and launched == [(16, 16)]  # the interpreter's table tile
