@@ -58,16 +58,23 @@ def test_reference_backward_with_statistics_equals_recomputing(dtype, dropout):
         torch.testing.assert_close(a, b, **tol)
 
 
-def test_the_op_hands_its_statistics_to_the_backward(monkeypatch):
-    """Eagerly and under torch.compile (AOTAutograd partitions what is saved) the backward is called
-    with the forward's output and log-sum-exp; the gradients equal a recomputing backward's."""
+def _record_backward_statistics(monkeypatch) -> list[tuple[bool, bool]]:
+    """From now on, ``(fwd_out given, fwd_lse given)`` for each call of the backward's reference."""
     entry = OPS["jagged_attention_backward"]
-    seen = []
-    original = entry.reference
+    original, seen = entry.reference, []
 
     def recording(*args, **kwargs):
         seen.append((kwargs.get("fwd_out") is not None, kwargs.get("fwd_lse") is not None))
         return original(*args, **kwargs)
+    monkeypatch.setattr(entry, "reference", recording)
+    return seen
+
+
+def test_the_op_hands_its_statistics_to_the_backward(monkeypatch):
+    """Eagerly and under torch.compile (AOTAutograd partitions what is saved) the backward is called
+    with the forward's output and log-sum-exp; the gradients equal a recomputing backward's."""
+    entry = OPS["jagged_attention_backward"]
+    original = entry.reference
 
     def without_statistics(*args, fwd_out=None, fwd_lse=None, **kwargs):
         return original(*args, **kwargs)
@@ -76,7 +83,8 @@ def test_the_op_hands_its_statistics_to_the_backward(monkeypatch):
     with use_backend("reference"):
         monkeypatch.setattr(entry, "reference", without_statistics)
         want = _grads(args, kwargs, grad)  # the backward called without the statistics
-        monkeypatch.setattr(entry, "reference", recording)
+        monkeypatch.setattr(entry, "reference", original)
+        seen = _record_backward_statistics(monkeypatch)
         eager = _grads(args, kwargs, grad)
         torch._dynamo.reset()
         compiled_op = torch.compile(lambda *a: torch.ops.grcompile.jagged_attention(*a, **kwargs), backend="aot_eager",
@@ -89,27 +97,20 @@ def test_the_op_hands_its_statistics_to_the_backward(monkeypatch):
             torch.testing.assert_close(a, b)
 
 
-def test_an_in_place_write_to_the_output_is_legal_eagerly():
+def test_an_in_place_write_to_the_output_is_legal_eagerly(monkeypatch):
     """Eager PyTorch allows ``out += residual`` after ``attn @ v`` (its backward needs no output);
     the op run eagerly (``lowering="eager"``) must too."""
     args, kwargs = _inputs(dropout=0.2)
     q, k, v, *_, tables, _seed = args
     residual = torch.randn(q.shape[0], 2, 4, dtype=F64)
-    entry = OPS["jagged_attention_backward"]
-    original, seen = entry.reference, []
-
-    def recording(*args, **kwargs):
-        seen.append(kwargs.get("fwd_out") is not None)
-        return original(*args, **kwargs)
     out = torch.ops.grcompile.jagged_attention(*args, **kwargs)
     out += residual
     with use_backend("reference"):
-        entry.reference = recording
-        try:
-            got = torch.autograd.grad(out.pow(2).sum(), [q, k, v, *tables])
-        finally:
-            entry.reference = original
-    assert seen == [False]  # the written output is not used: the backward sums its row term itself
+        seen = _record_backward_statistics(monkeypatch)
+        got = torch.autograd.grad(out.pow(2).sum(), [q, k, v, *tables])
+        monkeypatch.undo()
+    # the written output is not used: the backward sums its row term itself
+    assert [out_given for out_given, _ in seen] == [False]
     plain = torch.ops.grcompile.jagged_attention(*args, **kwargs) + residual
     want = torch.autograd.grad(plain.pow(2).sum(), [q, k, v, *tables])
     for a, b in zip(got, want):
@@ -138,13 +139,7 @@ def test_a_compiled_softmax_model_runs_optimized_with_statistics(monkeypatch):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     user = example.factory(max_len=16, embedding_dim=16, num_blocks=1)
-    entry = OPS["jagged_attention_backward"]
-    original, seen = entry.reference, []
-
-    def recording(*args, **kwargs):
-        seen.append(kwargs.get("fwd_lse") is not None and kwargs.get("fwd_out") is not None)
-        return original(*args, **kwargs)
-    monkeypatch.setattr(entry, "reference", recording)
+    seen = _record_backward_statistics(monkeypatch)
     torch._dynamo.reset()
     eager = user.module
     optimized = grcompile.optimize(eager)
@@ -153,6 +148,6 @@ def test_a_compiled_softmax_model_runs_optimized_with_statistics(monkeypatch):
     want = torch.autograd.grad((eager(ids) * valid).pow(2).sum(), list(eager.parameters()))
     got = torch.autograd.grad((optimized(ids) * valid).pow(2).sum(), list(eager.parameters()))
     assert grcompile.report(optimized).unoptimized == []
-    assert seen and all(seen)
+    assert seen and all(out_given and lse_given for out_given, lse_given in seen)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
