@@ -20,8 +20,12 @@ A provider is ``"module:function"``; the function returns a list of dicts with t
 ``kernel`` (name), ``fn`` (a ``@triton.jit`` function), ``signature`` (argument → Triton type,
 ``"*bf16"``, ``"i32"``, ``"fp32"``, ``"constexpr"``…), ``constexprs`` (argument → value),
 ``num_warps``, ``num_stages``, ``config`` (JSON-able description), ``uses_dot`` (the kernel has a
-``tl.dot``) and optionally ``divisible_by_16`` (pointer/int arguments Triton may assume 16-aligned,
-default: every pointer, as a launch on PyTorch-allocated tensors specialises them),
+``tl.dot``) and optionally ``int_args`` (integer argument → a value a launch passes: Triton's
+launcher specialises integers, 1 becomes a constant and a multiple of 16 is declared divisible,
+which decides vector widths and whether loads are pipelined, so the report compiles the variant
+a launch runs only with these; an integer argument without a value is compiled unspecialised and
+noted), ``divisible_by_16`` (pointer/int arguments Triton may assume 16-aligned, default: every
+pointer, as a launch on PyTorch-allocated tensors specialises them),
 ``options`` (further ``triton.compile`` options such as ``maxnreg``) and ``arch`` (``"sm_80"`` /
 ``"sm_90"``: the config is compiled for that arch only — tiles chosen per architecture — and
 skipped when ``--arch`` leaves that arch out; without it, for every ``--arch``). With
@@ -127,7 +131,7 @@ def _empty_record(**fields: Any) -> dict[str, Any]:
               "spill_store_bytes": None, "spill_load_bytes": None, "stack_bytes": None,
               "shared_bytes": None, "num_warps": None, "num_stages": None, "tensor_cores": False,
               "mma": [], "uses_dot": None, "ttir_has_dot": None, "compile_seconds": None,
-              "ptxas_seconds": None, "cache_hit": None, "notes": [], "failures": []}
+              "ptxas_seconds": None, "cache_hit": None, "specialized": {}, "global_loads": {}, "notes": [], "failures": []}
     record.update(fields)
     return record
 
@@ -167,16 +171,23 @@ def compile_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
             raise TypeError(f"fn is a {type(fn).__name__}, not a @triton.jit function"
                             + (" (TRITON_INTERPRET=1 was set when it was defined)"
                                if type(fn).__name__ == "InterpretedFunction" else ""))
-        signature = dict(cfg["signature"])
         divisible = cfg.get("divisible_by_16")
         if divisible is None:
-            divisible = [a for a, t in signature.items() if t.startswith("*")]
-        unknown = [a for a in list(divisible) + list(cfg["constexprs"]) if a not in fn.arg_names]
+            divisible = [a for a, t in cfg["signature"].items() if t.startswith("*")]
+        int_args = dict(cfg.get("int_args") or {})
+        unknown = [a for a in [*divisible, *cfg["constexprs"], *int_args] if a not in fn.arg_names]
         if unknown:
             raise ValueError(f"arguments {unknown} are not parameters of {fn.__name__}{tuple(fn.arg_names)}")
+        signature, constexprs, divisible = launch_specialization(cfg["signature"], cfg["constexprs"], divisible,
+                                                                 int_args)
+        record["specialized"] = {a: ("constant 1" if a in constexprs and a not in cfg["constexprs"] else
+                                     "divisible by 16" if a in divisible else "none") for a in int_args}
+        unvalued = [a for a, t in signature.items() if t in ("i32", "i64") and a not in int_args and a not in divisible]
+        if unvalued:
+            record["notes"].append(f"integer arguments without a launch value, compiled unspecialised: {unvalued}")
         # Triton 3.9 keys attributes by argument path: (index,) -> [[name, value]].
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible}
-        src = ASTSource(fn=fn, signature=signature, constexprs=dict(cfg["constexprs"]), attrs=attrs)
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **cfg.get("options", {})}
         hits: list[bool] = []
         listener_before = triton.knobs.compilation.listener
@@ -200,6 +211,7 @@ def compile_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     record["num_stages"] = int(kernel.metadata.num_stages)
     record["mma"] = sorted(name for name, pattern in _MMA_PATTERNS.items() if pattern.search(ptx))
     record["tensor_cores"] = TENSOR_CORE_PTX[cc] in record["mma"]
+    record["global_loads"] = global_loads(ptx)
     record["ttir_has_dot"] = bool(re.search(r"\btt\.dot\b|\btt\.dot_scaled\b", kernel.asm["ttir"]))
     try:
         start = time.perf_counter()
@@ -212,6 +224,47 @@ def compile_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     except Exception as e:
         record["error"] = f"ptxas -v: {_one_line(e)}"
     return _judge(record)
+
+
+_LD_GLOBAL = re.compile(r"\bld\.global\S*?(?:\.v([248]))?\.[bsuf](\d+)\s")
+_CP_ASYNC = re.compile(r"\bcp\.async\.c[ag]\.shared\.global[^;]*?,\s*(0x[0-9a-fA-F]+|\d+)\s*[,;]")
+
+
+def global_loads(ptx: str) -> dict[str, int]:
+    """Global-memory load instructions in ``ptx`` by kind and bytes per thread: ``ld.global``
+    (synchronous, through registers) and ``cp.async`` (asynchronous copies into shared memory: a
+    pipelined loop's loads), e.g. ``{"ld 2 B": 320, "cp.async 16 B": 96}``. Scalar 2-byte loads
+    of a bf16 tile are the sign of a layout the compiler could not prove contiguous."""
+    counts: dict[str, int] = {}
+    for m in _LD_GLOBAL.finditer(ptx):
+        key = f"ld {int(m.group(1) or 1) * int(m.group(2)) // 8} B"
+        counts[key] = counts.get(key, 0) + 1
+    for m in _CP_ASYNC.finditer(ptx):
+        key = f"cp.async {int(m.group(1), 0)} B"
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def launch_specialization(signature: Mapping[str, str], constexprs: Mapping[str, Any], divisible: Iterable[str],
+                          int_args: Mapping[str, int]) -> tuple[dict[str, str], dict[str, Any], list[str]]:
+    """``(signature, constexprs, divisible)`` as Triton's launcher specialises a call whose integer
+    arguments have the values ``int_args``: its own rule (``native_specialize_impl``) makes a 1 a
+    constant, marks a multiple of 16 divisible and picks ``i32`` / ``i64`` by range."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    signature, constexprs, divisible = dict(signature), dict(constexprs), list(divisible)
+    for name, value in int_args.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"int_args[{name!r}] = {value!r} is not an int")
+        kind, spec = native_specialize_impl(BaseBackend, value, False, True, True)[:2]
+        if kind == "constexpr":
+            signature[name], constexprs[name] = "constexpr", value
+        else:
+            signature[name] = kind
+            if spec == "D" and name not in divisible:
+                divisible.append(name)
+    return signature, constexprs, divisible
 
 
 def _jsonable(value: Any) -> Any:
@@ -464,10 +517,15 @@ def _short_config(record: dict[str, Any], width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def _short_loads(loads: dict[str, int]) -> str:
+    """``{"cp.async 16 B": 96, "ld 2 B": 320}`` -> ``"cp16 ld2"`` (kinds and widths, no counts)."""
+    return " ".join(k.replace("cp.async ", "cp").replace("ld ", "ld").removesuffix(" B") for k in loads) or "-"
+
+
 def format_table(records: list[dict[str, Any]]) -> str:
     """A fixed-width table: one line per record, failures spelled out underneath."""
     header = ("kernel", "config", "arch", "ok", "regs", "spill", "stack", "smem", "warps", "stages",
-              "mma", "dot", "secs")
+              "mma", "dot", "loads", "secs")
     rows = []
     for r in records:
         def num(v: Any) -> str:
@@ -477,6 +535,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
                      num(r["stack_bytes"]), num(r["shared_bytes"]), num(r["num_warps"]), num(r["num_stages"]),
                      ("+".join(r["mma"]) or "-") if r["compiled"] else "-",
                      "-" if r["uses_dot"] is None else ("yes" if r["uses_dot"] else "no"),
+                     _short_loads(r.get("global_loads") or {}),
                      "-" if r["compile_seconds"] is None
                      else f"{r['compile_seconds']:.2f}" + ("*" if r["cache_hit"] else "")))
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]

@@ -12,7 +12,9 @@ A tile *passes* when, for every score_mod, it compiles without spills, fits the 
 memory and has only the arch's tensor-core MMA (sm_90: ``wgmma`` and no ``mma.sync`` — each
 ``tl.dot`` needs M >= 64 per warpgroup). Tiles are walked by work per program (BLOCK_M ·
 BLOCK_N) from the largest; the first size with a passing tile wins, and among its passing tiles
-the fewest registers (the most of any score_mod), then more stages. A tile stops at its first
+a pipelined one (2 or 3 stages: the key and value tiles of the next blocks are prefetched by
+asynchronous copies while this one computes; 1 stage waits for every load), then the fewest
+registers (the most of any score_mod), then more stages. A tile stops at its first
 failing score_mod (the heaviest are compiled first).
 
 When no tile passes, every tile whose plain kernel (SASRec, no score_mod) compiles without
@@ -99,7 +101,7 @@ class Sweep:
         for area in sorted(by_area, reverse=True):
             passing = [t for t in by_area[area] if self.evaluate(t, self.models, stop=True)]
             if passing:
-                chosen = min(passing, key=lambda t: (self.max_regs(t), -t[3], t[2]))
+                chosen = min(passing, key=lambda t: (t[3] < 2, self.max_regs(t), -t[3], t[2]))
                 return self.report(chosen, start=start, passing=passing)
         # nothing passes: the least-spilling tile whose plain kernel passes
         # once some tile with the arch's MMA is spill-free everywhere, a tile stops at its first spill

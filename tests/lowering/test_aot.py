@@ -47,6 +47,14 @@ def _silu(x, y, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _strided_copy(x, y, n, stride, BLOCK: tl.constexpr):
+    """``y[i] = x[i * stride]``: contiguous (vector loads) only where ``stride`` is known to be 1."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n
+    tl.store(y + offs, tl.load(x + offs * stride, mask=keep), mask=keep)
+
+
+@triton.jit
 def _row_normalize(x, y, BLOCK: tl.constexpr):
     """A whole row in one warp's registers: at BLOCK=16384 that is 512 floats a thread, spilled."""
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -68,7 +76,16 @@ def aot_test_configs() -> list[dict]:
     """Kernels that must pass: a bf16 tl.dot tile and a pointwise kernel."""
     return [_matmul("tile_matmul", 64, 4, True),
             dict(kernel="silu", fn=_silu, signature={"x": "*bf16", "y": "*bf16", "n": "i32", "BLOCK": "constexpr"},
-                 constexprs=dict(BLOCK=1024), num_warps=4, num_stages=1, config=dict(BLOCK=1024), uses_dot=False)]
+                 int_args=dict(n=1 << 20), constexprs=dict(BLOCK=1024), num_warps=4, num_stages=1,
+                 config=dict(BLOCK=1024), uses_dot=False)]
+
+
+def aot_specialization_configs() -> list[dict]:
+    """One copy kernel launched with stride 1 and n a multiple of 16, and with stride 3 and an odd n."""
+    signature = {"x": "*fp32", "y": "*fp32", "n": "i32", "stride": "i32", "BLOCK": "constexpr"}
+    return [dict(kernel=f"copy_stride_{stride}", fn=_strided_copy, signature=signature, int_args=dict(n=n, stride=stride),
+                 constexprs=dict(BLOCK=1024), num_warps=4, num_stages=1, config=dict(stride=stride), uses_dot=False)
+            for stride, n in ((1, 4096), (3, 4095))]
 
 
 def aot_failing_configs() -> list[dict]:
@@ -182,6 +199,7 @@ def test_stdout_table(test_report):
     assert rows[("tile_matmul", "sm_90")]["ok"] == "ok" and rows[("tile_matmul", "sm_90")]["mma"] == "wgmma"
     assert rows[("tile_matmul", "sm_80")]["config"] == "K=128 BM=64 BN=64 BK=32 num_warps=4"
     assert rows[("silu", "sm_80")]["mma"] == "-" and rows[("silu", "sm_80")]["dot"] == "no"
+    assert rows[("silu", "sm_90")]["loads"] == "ld16", rows[("silu", "sm_90")]  # 8 bf16 a thread, one vector
     assert "Roofline, HSTU causal attention, 8192 tokens per row" in done.stdout
 
 
@@ -216,6 +234,45 @@ def test_config_archs():
     assert aot.config_archs({"arch": "sm_75"}, ["sm_80"]) == ["sm_75"]  # unknown: kept, fails as a record
     rec = aot.compile_config(dict(aot_test_configs()[1], arch="sm_75"), "sm_75")
     assert not rec["compiled"] and "unknown arch" in rec["error"]
+
+
+def test_launch_specialization_is_tritons():
+    """Integer arguments specialised as Triton's launcher does: 1 a constant, a multiple of 16
+    divisible, a value over 2**31 i64; pointers keep the given divisibility."""
+    sig, constexprs, divisible = aot.launch_specialization(
+        {"x": "*bf16", "one": "i32", "d": "i32", "odd": "i32", "big": "i32", "B": "constexpr"}, {"B": 64}, ["x"],
+        dict(one=1, d=128, odd=7, big=1 << 40))
+    assert sig == {"x": "*bf16", "one": "constexpr", "d": "i32", "odd": "i32", "big": "i64", "B": "constexpr"}
+    assert constexprs == {"B": 64, "one": 1} and divisible == ["x", "d", "big"]
+    with pytest.raises(TypeError, match="odd"):
+        aot.launch_specialization({"odd": "i32"}, {}, [], dict(odd=7.0))
+
+
+def test_global_loads_reads_widths_from_ptx():
+    ptx = """
+        @%p1 ld.global.b16 { %rs1 }, [ %rd1 + 0 ];
+        ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd2 + 0 ];
+        @%p2 ld.global.L1::evict_last.v2.b32 { %r5, %r6 }, [ %rd3 + 0 ];
+        @%p3 cp.async.cg.shared.global [ %r7 + 0 ], [ %rd4 + 0 ], 0x10, %r8;
+        cp.async.ca.shared.global [ %r9 + 0 ], [ %rd5 + 0 ], 8;
+        st.global.b32 [ %rd6 + 0 ], { %r10 };
+    """
+    assert aot.global_loads(ptx) == {"cp.async 16 B": 1, "cp.async 8 B": 1, "ld 16 B": 1, "ld 2 B": 1, "ld 8 B": 1}
+
+
+def test_the_report_compiles_the_launchs_specialisation(tmp_path):
+    """A launch with stride 1 gets vector loads, one with stride 3 scalar ones: the report sees
+    the difference only through the launch values (``int_args``)."""
+    out = tmp_path / "spec.json"
+    done = _run_cli("--arch", "sm_90", "--no-roofline", "--json", str(out), "--providers",
+                    f"{HERE}:aot_specialization_configs")
+    assert out.exists(), done.stdout + done.stderr
+    records = {r["kernel"]: r for r in json.loads(out.read_text())["records"]}
+    unit, strided = records["copy_stride_1"], records["copy_stride_3"]
+    assert unit["specialized"] == {"n": "divisible by 16", "stride": "constant 1"}
+    assert strided["specialized"] == {"n": "none", "stride": "none"}
+    assert set(unit["global_loads"]) == {"ld 16 B"}, unit["global_loads"]
+    assert set(strided["global_loads"]) == {"ld 4 B"}, strided["global_loads"]
 
 
 def test_parse_ptxas_log():
@@ -325,6 +382,7 @@ def _real_provider_report(spec: str, tmp_path: Path, *extra: str) -> dict:
     by_config: dict[str, set] = {}
     by_kernel: dict[str, set] = {}
     for r in report["records"]:
+        assert not any(n.startswith("integer arguments without a launch value") for n in r["notes"]), r["notes"]
         by_config.setdefault(json.dumps([r["kernel"], r["config"]], sort_keys=True, default=str), set()).add(r["arch"])
         by_kernel.setdefault(r["kernel"], set()).add(r["arch"])
         assert r["compiled"], (r["kernel"], r["arch"], r["error"])

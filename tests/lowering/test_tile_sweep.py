@@ -37,6 +37,14 @@ def test_largest_passing_tile_then_fewest_registers():
     assert all(t[0] * t[1] >= 2048 for t in sweep.results)
 
 
+def test_a_pipelined_tile_beats_one_stage_with_fewer_registers():
+    def fake(tile, model):  # only 64 x 64 passes; one stage needs the fewest registers
+        bm, bn, warps, stages = tile
+        return {1: 150, 2: 200, 3: 190}[stages], 0 if (bm, bn, warps) == (64, 64, 8) else 96, 0
+    r = FakeSweep("fwd", "sm_90", 64, fake).run()
+    assert tuple(r["tile"]) == (64, 64, 8, 3)  # of the pipelined ones, the fewer registers
+
+
 def test_no_spill_free_wgmma_tile_at_256_takes_a_spill_free_mma_sync_one():
     def fake(tile, model):  # sm_90: BLOCK_M < 64 is mma.sync alone (level 2), BLOCK_M >= 64 spills
         bm, bn, _, _ = tile

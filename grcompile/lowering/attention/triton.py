@@ -495,12 +495,17 @@ def _pad(d: int) -> int:
 #   256 (all kernels): no wgmma tile keeps even the plain kernel spill-free: mma.sync tiles.
 # And on sm_80, bwd_kv 128: the table-gradient pre-sums made the swept 64 x 32 spill 40 B (HSTU);
 # 32 x 32 is spill-free for all four (64 x 32 with 1-2 stages and 32 x 64 were not).
+# Those sweeps compiled the integer arguments unspecialised; compiled as a launch specialises them
+# (2026-11-28, docs/lowering.md) five entries spilled and were re-swept: fwd sm_90 64 (64 x 64: HSTU
+# 168 B), bwd_q sm_80 128 (32 x 64: HSTU 16 B) and sm_80 256 (fwd: SASRec 32 B; bwd_kv: up to
+# 152 B; bwd_q: HSTU 32 B; bwd_kv's largest spill-free tiles there have one stage); the others
+# passed and were kept (the sm_90 256 tiles stay on mma.sync, spill-free).
 GPU_TILES = {
-    "fwd": {"sm_80": {64: (32, 128, 8, 3), 128: (32, 64, 8, 3), 256: (16, 64, 8, 3)},
-            "sm_90": {64: (64, 64, 8, 3), 128: (64, 32, 8, 2), 256: (16, 64, 8, 3)}},
-    "bwd_kv": {"sm_80": {64: (64, 32, 8, 3), 128: (32, 32, 8, 3), 256: (32, 16, 8, 3)},
+    "fwd": {"sm_80": {64: (32, 128, 8, 3), 128: (32, 64, 8, 3), 256: (16, 128, 8, 2)},
+            "sm_90": {64: (128, 32, 8, 2), 128: (64, 32, 8, 2), 256: (16, 64, 8, 3)}},
+    "bwd_kv": {"sm_80": {64: (64, 32, 8, 3), 128: (32, 32, 8, 3), 256: (16, 64, 8, 1)},
                "sm_90": {64: (32, 64, 8, 1), 128: (16, 64, 8, 3), 256: (16, 32, 8, 2)}},
-    "bwd_q": {"sm_80": {64: (32, 128, 8, 3), 128: (32, 64, 8, 3), 256: (32, 32, 8, 3)},
+    "bwd_q": {"sm_80": {64: (32, 128, 8, 3), 128: (32, 128, 8, 2), 256: (64, 32, 8, 2)},
               "sm_90": {64: (128, 32, 8, 3), 128: (64, 16, 8, 2), 256: (16, 64, 8, 2)}},
 }
 HEAD_BUCKETS = (64, 128, 256)
@@ -916,7 +921,7 @@ def aot_cases() -> dict[str, tuple]:
     time-bucket tables, SiLU), FuXi-α's positional channel (no q·k) and a zoo-style per-head
     time-bucket table."""
     from ..score_mod import hstu_rab_key, register_score_mod, relative_position_bias_key
-    N, H = 8192, 8
+    N, H = AOT_TOKENS, AOT_HEADS
     stamps = torch.zeros(4, dtype=torch.int64)
     return {
         "sasrec": ("", "softmax", True, True, [], [], []),
@@ -926,6 +931,23 @@ def aot_cases() -> dict[str, tuple]:
         "time_bucket_per_head": (register_score_mod(_aot_time_bucket_per_head), "softmax", True, True,
                                  [stamps], [stamps], [torch.zeros(128, H)]),
     }
+
+
+# the AOT report's launch: one row of this many tokens, this many heads (aot_cases' sizes)
+AOT_TOKENS, AOT_HEADS = 8192, 8
+
+
+def _aot_int_args(signature: dict, d: int, dropout: bool, tables: list, float_table_numels: list[int],
+                  block_n: int) -> dict[str, int]:
+    """The integer arguments the launcher passes at the AOT report's size (contiguous ``[T, H, d]``
+    inputs, contiguous tables), for the report to compile the specialisation a launch runs."""
+    values = {f"stride_{x}t": AOT_HEADS * d for x in "qkvo"} | {f"stride_{x}h": d for x in "qkvo"}
+    values |= dict(H=AOT_HEADS, DQK=d, DV=d, threshold=round(0.1 * (1 << 24)) if dropout else 0,
+                   NREP=_table_grad_replicas(float_table_numels, math.ceil(AOT_TOKENS / block_n) * AOT_HEADS))
+    for i, t in enumerate(tables):
+        values |= {f"tab{i}_n{j}": n for j, n in enumerate(t.shape)}
+        values |= {f"tab{i}_s{j}": st for j, st in enumerate(t.contiguous().stride())}
+    return {name: values[name] for name, kind in signature.items() if kind == "i32"}
 
 
 def aot_kernels(model: str) -> tuple[str, ...]:
@@ -957,8 +979,10 @@ def case_aot_config(case: tuple, kernel: str, arch: str, d: int, tile: Optional[
     constexprs = dict(blocks, ACT=_ACT[activation], CAUSAL=True, USE_QK=use_qk, DROPOUT=dropout, IEEE=0,
                       OOB_ROWS=arch == "sm_80", SPLIT=split_interior(bool(key)))
     fn = getattr(module, kernel)
-    return dict(kernel=f"jagged_attention_{kernel}", fn=fn, arch=arch,
-                signature=_kernel_signature(fn, torch.bfloat16, q_sides, k_sides, all_tables),
+    signature = _kernel_signature(fn, torch.bfloat16, q_sides, k_sides, all_tables)
+    float_tables = [all_tables[i].numel() for i in (code.float_tables if code else [])]
+    return dict(kernel=f"jagged_attention_{kernel}", fn=fn, arch=arch, signature=signature,
+                int_args=_aot_int_args(signature, d, dropout, all_tables, float_tables, blocks["BLOCK_N"]),
                 constexprs=constexprs, num_warps=warps, num_stages=stages, uses_dot=True,
                 config=dict(model=model, score_mod=key.split("-")[0] or "none", activation=activation,
                             dtype="bf16", head_dim=d, dropout=dropout, arch=arch, **blocks,

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from ..norm import _check as _check_norm
-from ..norm.triton import MAX_D, _meta as _norm_meta, _strides, _view3, gated_norm_rows
+from ..norm.triton import AOT_ROWS, MAX_D, _meta as _norm_meta, _strides, _view3, aot_int_args, gated_norm_rows
 from . import AMAX_FLOOR, FP8_DTYPE, _norm_quant_reference, _scaled_linear_reference, quantize_rowwise
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -389,6 +389,7 @@ def aot_configs() -> list[dict]:
             signature["eps"] = "fp32"
             signature.update({c: "constexpr" for c in meta["constexprs"]})
             configs.append(dict(kernel="norm_quant_fwd", fn=norm_quant_fwd, signature=signature,
+                                int_args=aot_int_args(D, ("sx", "su")),
                                 constexprs=meta["constexprs"], num_warps=meta["num_warps"], num_stages=1,
                                 uses_dot=False, arch=arch,
                                 config=dict(dtype=_TL_NAME[dtype], D=D, kind=kind, gated=gated,
@@ -399,6 +400,7 @@ def aot_configs() -> list[dict]:
             signature = {"X": "*" + _TL_NAME[dtype], "Q": "*u8", "S": "*fp32", "n_rows": "i32", "D": "i32",
                          "sx0": "i32", "sx1": "i32", **{c: "constexpr" for c in constexprs}}
             configs.append(dict(kernel="quantize_rows_fwd", fn=quantize_rows_fwd, signature=signature,
+                                int_args=dict(n_rows=AOT_ROWS, D=D, sx0=D, sx1=1),
                                 constexprs=constexprs, num_warps=4, num_stages=1, uses_dot=False, arch=arch,
                                 config=dict(dtype=_TL_NAME[dtype], D=D, rows_per_program=constexprs["ROWS"],
                                             arch=arch)))
@@ -414,7 +416,7 @@ def aot_configs() -> list[dict]:
                               GEMM_DT=tl.bfloat16 if has_res else tl.float32)
             signature.update({c: "constexpr" for c in constexprs})
             tile = "x".join(str(constexprs[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-            configs.append(dict(kernel="scaled_fp8_gemm", fn=scaled_fp8_gemm, signature=signature,
+            configs.append(dict(kernel="scaled_fp8_gemm", fn=scaled_fp8_gemm, signature=signature, int_args=dict(M=M),
                                 constexprs=constexprs, num_warps=meta["num_warps"], num_stages=meta["num_stages"],
                                 uses_dot=True, arch=arch,
                                 divisible_by_16=[a for a, t in signature.items() if t.startswith("*")]

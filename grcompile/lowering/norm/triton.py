@@ -177,11 +177,21 @@ def gated_norm_backward_triton(grad: torch.Tensor, x: torch.Tensor, u: Optional[
 _TL = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
+AOT_ROWS = 4096  # the AOT report's launch: 4096 contiguous rows
+
+
+def aot_int_args(D: int, strides: tuple[str, ...]) -> dict[str, int]:
+    """The integer arguments a launch on contiguous ``[AOT_ROWS, D]`` tensors passes (``_view3``
+    makes them ``[1, rows, D]``): the AOT report compiles that specialisation (unit last stride)."""
+    return dict(n_rows=AOT_ROWS, inner=AOT_ROWS, D=D,
+                **{f"{s}{i}": st for s in strides for i, st in enumerate((AOT_ROWS * D, D, 1))})
+
+
 def aot_configs() -> list[dict]:
     """Representative compile configs of both kernels: fp32 / bf16, D in {64, 256, 1024}, layer /
     rms, gated or not. Each dict: ``kernel``, ``fn``, ``signature``, ``constexprs``, ``num_warps``,
     ``num_stages``, ``config`` (JSON-able summary) and ``uses_dot``. Rows are sized as for a batch
-    of 4096 rows; integer arguments are i32 (Triton specialises them to i64 above 2**31)."""
+    of 4096 rows; integer arguments are the values such a launch passes (``int_args``)."""
     cases = [(torch.float32, 64, "layer", True), (torch.float32, 256, "rms", False),
              (torch.bfloat16, 1024, "layer", True), (torch.bfloat16, 256, "rms", True)]
     configs = []
@@ -196,6 +206,7 @@ def aot_configs() -> list[dict]:
             signature["eps"] = "fp32"
             signature.update({c: "constexpr" for c in meta["constexprs"]})
             configs.append(dict(kernel=kernel, fn=fn, signature=signature, constexprs=meta["constexprs"],
+                                int_args=aot_int_args(D, strides),
                                 num_warps=meta["num_warps"], num_stages=1, uses_dot=False,
                                 config=dict(dtype=_TL[dtype], D=D, kind=kind, gated=gated,
                                             rows_per_program=meta["constexprs"]["ROWS"])))
