@@ -8,6 +8,7 @@ set -u
 OUT=${OUT:-/tmp/grcompile-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD GRCOMPILE_TRITON_CACHE=/tmp/grcompile-triton
+export TRITON_CACHE_DIR=/tmp/grcompile-triton-cache  # read back at the end: what ran, against the AOT report
 LOG="$OUT/next.log"
 step() { echo "== $(date -u +%T) $*" | tee -a "$LOG"; }
 # the attention kernels (interior blocks unmasked, softmax backward without the forward rerun;
@@ -30,4 +31,7 @@ for precision in bf16 fp8; do
     --precision $precision --modes grcompile --steps 3 --warmup 1 --timeout 190 --no-aot \
     --json "$OUT/e2e-grcompile-$precision.json" 2>&1 | grep -v "^\s*$" | tail -12 | tee -a "$LOG"
 done
+step kernels that ran: registers, spills, shared memory, loads "(compare: python -m grcompile.lowering.aot)"
+timeout 90 python3 -m grcompile.lowering.aot --from-cache "$TRITON_CACHE_DIR" --kernels '^(fwd|bwd_kv|bwd_q)$' \
+  --no-fail --json "$OUT/ran-kernels.json" 2>&1 | tail -80 | tee -a "$LOG"
 step done

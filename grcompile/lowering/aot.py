@@ -353,6 +353,55 @@ def _judge(record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
+_TTIR_DIVISIBLE = re.compile(r"%(\w+): [^,{]*\{tt\.divisibility = 16")
+
+
+def cache_records(cache_dir: str, kernels: Optional[str] = None) -> list[dict[str, Any]]:
+    """Records of the CUDA kernels Triton compiled into ``cache_dir`` (its ``TRITON_CACHE_DIR``,
+    default ``~/.triton/cache``), read back without compiling: after a run on a GPU, what that run
+    launched — its specialisation (``config.divisible``: the arguments the TTIR declares divisible
+    by 16), registers and spills (``ptxas -v`` on the cached PTX), shared memory, MMA instructions
+    and global loads, judged as the report judges a compile. ``kernels``: a name regex."""
+    from types import SimpleNamespace
+
+    records = []
+    for meta_path in sorted(Path(cache_dir).glob("*/*.json")):
+        if meta_path.name.startswith("__grp__"):
+            continue
+        ptx_path = meta_path.with_suffix(".ptx")
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not ptx_path.exists() or meta.get("target", {}).get("backend") != "cuda":
+            continue
+        if kernels and not re.search(kernels, meta.get("name", "")):
+            continue
+        cc = int(meta["target"]["arch"])
+        arch = next((a for a, c in ARCHS.items() if c == cc), f"sm_{cc}")
+        ttir_path = meta_path.with_suffix(".ttir")
+        ttir = ttir_path.read_text() if ttir_path.exists() else ""
+        header = ttir[ttir.find("tt.func"):].split("\n", 1)[0]
+        record = _empty_record(kernel=meta.get("name"), provider=f"triton cache {cache_dir}", arch=arch,
+                               config={"cache": meta_path.parent.name[:12],
+                                       "divisible": _TTIR_DIVISIBLE.findall(header)},
+                               compiled=True, num_warps=meta.get("num_warps"), num_stages=meta.get("num_stages"),
+                               shared_bytes=int(meta.get("shared", 0)))
+        ptx = ptx_path.read_text()
+        record["mma"] = sorted(name for name, pattern in _MMA_PATTERNS.items() if pattern.search(ptx))
+        record["tensor_cores"] = TENSOR_CORE_PTX.get(cc) in record["mma"]
+        record["ttir_has_dot"] = bool(re.search(r"\btt\.dot\b|\btt\.dot_scaled\b", ttir)) if ttir else None
+        record["uses_dot"] = record["ttir_has_dot"]
+        record["global_loads"] = global_loads(ptx)
+        try:
+            record.update(ptxas_resources(ptx, cc, SimpleNamespace(enable_fp_fusion=meta.get("enable_fp_fusion", True),
+                                                                   ptx_options=meta.get("ptx_options"))))
+        except Exception as e:
+            record["error"] = f"ptxas -v: {_one_line(e)}"
+        records.append(_judge(record))
+    return records
+
+
 def config_archs(cfg: dict[str, Any], archs: list[str]) -> list[str]:
     """The archs of ``archs`` that ``cfg`` is compiled for: all of them, or only its ``arch`` key
     (none when that arch was not asked for; an unknown arch is kept, to fail as a record)."""
@@ -613,6 +662,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="only the first N configs of each kernel (a quick subset)")
     parser.add_argument("--roofline", action=argparse.BooleanOptionalAction, default=True,
                         help="add the analytic attention roofline (default on)")
+    parser.add_argument("--from-cache", metavar="DIR", help="compile nothing: read back the kernels Triton "
+                        "compiled into DIR (a TRITON_CACHE_DIR; after a GPU run, what it launched)")
     parser.add_argument("--no-fail", action="store_true", help="exit 0 even when records fail")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -621,6 +672,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("error: TRITON_INTERPRET is set: @triton.jit builds interpreter functions, which cannot be "
               "compiled; unset it (python -m grcompile.lowering.aot does so itself)", file=sys.stderr)
         return 2
+    if args.from_cache:
+        records = cache_records(args.from_cache, args.kernels)
+        print(format_table(records))
+        failed = sum(bool(r["failures"]) for r in records)
+        print(f"{len(records)} kernels in {args.from_cache}, {failed} failing")
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({"triton_version": __import__("triton").__version__, "cache": args.from_cache,
+                                                   "records": records, "failed": failed}, indent=1, default=str))
+            print(f"report: {args.json}")
+        return 1 if failed and not args.no_fail else 0
     providers = [p for p in (args.providers.split(",") if args.providers else PROVIDERS) if p]
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     shapes: list[AttentionShape] = []

@@ -104,8 +104,8 @@ def aot_arch_configs() -> list[dict]:
             dict(_matmul("tile_matmul", 64, 4, True), arch="sm_90"), aot_test_configs()[1]]
 
 
-def _run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def _run_cli(*args: str, timeout: int = 300, **env_vars: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env_vars
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-m", "grcompile.lowering.aot", "--no-progress", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -273,6 +273,33 @@ def test_the_report_compiles_the_launchs_specialisation(tmp_path):
     assert strided["specialized"] == {"n": "none", "stride": "none"}
     assert set(unit["global_loads"]) == {"ld 16 B"}, unit["global_loads"]
     assert set(strided["global_loads"]) == {"ld 4 B"}, strided["global_loads"]
+
+
+def test_the_kernels_in_a_triton_cache_read_back_as_compiled(tmp_path):
+    """``--from-cache``: what Triton compiled into a cache directory (after a GPU run: what ran),
+    read back without compiling, has the compile's registers, shared memory, loads and
+    specialisation."""
+    cache, compiled, read = tmp_path / "cache", tmp_path / "compiled.json", tmp_path / "read.json"
+    done = _run_cli("--arch", "sm_80,sm_90", "--no-roofline", "--json", str(compiled), "--providers",
+                    f"{HERE}:aot_specialization_configs,{HERE}:aot_test_configs", TRITON_CACHE_DIR=str(cache))
+    assert compiled.exists(), done.stdout + done.stderr
+    done = _run_cli("--from-cache", str(cache), "--json", str(read))
+    assert done.returncode == 0 and read.exists(), done.stdout + done.stderr
+    assert "8 kernels in" in done.stdout
+
+    def facts(r: dict) -> tuple:
+        return (r["arch"], r["registers"], r["spill_bytes"], r["shared_bytes"], r["num_warps"], r["num_stages"],
+                tuple(r["mma"]), tuple(sorted(r["global_loads"].items())))
+    before = json.loads(compiled.read_text())["records"]
+    after = json.loads(read.read_text())["records"]
+    assert sorted(map(facts, before)) == sorted(map(facts, after))
+    by_kernel = {}
+    for r in after:
+        by_kernel.setdefault(r["kernel"], []).append(r["config"]["divisible"])
+    # stride 1 is a constant (not an argument at all); n = 4096 divisible, n = 4095 not
+    assert sorted(map(tuple, by_kernel["_strided_copy"])) == [("x", "y")] * 2 + [("x", "y", "n")] * 2
+    assert all(r["failures"] == [] for r in after)
+    assert _run_cli("--from-cache", str(cache), "--kernels", "silu").stdout.count("_silu ") == 2
 
 
 def test_parse_ptxas_log():
