@@ -142,17 +142,22 @@ def note_fallback(name: str, key: str, why: str, kernel: str = "triton") -> bool
     entry = OPS[name]
     first = key not in entry.fallbacks
     entry.fallbacks[key] = why
-    entry.calls[kernel] -= 1
-    entry.calls["reference"] += 1
+    _move_call(entry, kernel, "reference")
     return first
+
+
+def _move_call(entry: OpEntry, counted: str, ran: str) -> None:
+    """One call counted under ``counted`` ran with ``ran``. A kernel function called directly (not
+    through the op) was never counted: nothing to take back then, the count stays >= 0."""
+    if entry.calls[counted] > 0:
+        entry.calls[counted] -= 1
+    entry.calls[ran] += 1
 
 
 def note_library(name: str, library: str, kernel: str = "triton") -> None:
     """Record that op ``name``'s ``kernel`` handed a call to a vendor library (``library``, e.g.
     ``"cublas"``) computing the same thing: the call counts under ``library``."""
-    entry = OPS[name]
-    entry.calls[kernel] -= 1
-    entry.calls[library] += 1
+    _move_call(OPS[name], kernel, library)
 
 
 def kernel_usage() -> dict[str, dict[str, int]]:

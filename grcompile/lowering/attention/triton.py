@@ -733,11 +733,27 @@ def _launch(module, kernel: str, meta: dict, max_len: int, B: int, *args, plain:
     raise TritonFallback(f"no tile of the {kernel} kernel fits this device ({last})")
 
 
+def launch_width(d: int) -> int:
+    """The head width the kernels get for width ``d``: rounded up to a multiple of 16, zeros in the
+    pad. Triton's launcher declares a stride or width divisible by 16 only when it is; only then
+    are a tile's rows provably aligned, and its loads 16-byte vectors and (in a pipelined loop)
+    asynchronous copies — at width 50 every key and value element was a 2-byte scalar load, in
+    a loop that was not pipelined (AOT report). Zero columns change no dot product."""
+    return -(-d // 16) * 16
+
+
+def _at_launch_width(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[T, H, d]`` contiguous at :func:`launch_width` (zero-padded; no copy when it is)."""
+    t = t.contiguous()
+    width = launch_width(t.shape[-1])
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
 def _prepare(q, k, v, q_side, k_side, tables, *, score_mod, use_qk, activation, causal, max_len, dropout_p):
-    """``(q, k, v, module, code, all_tables)``: contiguous inputs and the variant's kernels;
-    raises TritonFallback / Unsupported when the kernels cannot run this call."""
+    """``(q, k, v, module, code, all_tables)``: contiguous inputs at the launch width and the
+    variant's kernels; raises TritonFallback / Unsupported when the kernels cannot run this call."""
     _check_supported(q, v, tables, max_len)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = _at_launch_width(q), _at_launch_width(k), _at_launch_width(v)
     variant = _variant(q, q_side, k_side, tables, score_mod, activation, causal, use_qk, dropout_p > 0)
     module, code = kernels_for(variant, q_side, k_side, tables)
     # contiguous: the gradient buffers are, and a lookup's offset uses the table's strides for both
@@ -749,6 +765,7 @@ def _prepare(q, k, v, q_side, k_side, tables, *, score_mod, use_qk, activation, 
 def _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score_mod, use_qk, activation, scale,
              out_scale, causal, max_len, dropout_p):
     """``(out, lse, module, code, all_tables)``; raises TritonFallback / Unsupported before launching."""
+    width = v.shape[2]
     q, k, v, module, code, all_tables = _prepare(q, k, v, q_side, k_side, tables, score_mod=score_mod, use_qk=use_qk,
                                                  activation=activation, causal=causal, max_len=max_len,
                                                  dropout_p=dropout_p)
@@ -769,6 +786,8 @@ def _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score
         if int(oob.item()):
             raise ValueError(f"{_OP}: the score_mod {score_mod!r} indexes one of its tables out of range "
                              "(torch raises IndexError on this input)")
+    if out.shape[2] != width:
+        out = out[..., :width].contiguous()
     return out, lse, module, code, all_tables
 
 
@@ -810,6 +829,8 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
     kwargs = dict(score_mod=score_mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale,
                   causal=causal, max_len=max_len, dropout_p=dropout_p)
     stats = activation == "softmax" and fwd_out is not None and fwd_lse is not None and fwd_lse.numel() > 0
+    dqk, dv_width = q.shape[2], v.shape[2]
+    given = (grad_out, q, k, v)  # the reference, if the kernels fail, takes the call as given
     try:
         if activation == "softmax" and not stats:  # the gradient needs the row's log-sum-exp: rerun the forward
             out, lse, module, code, all_tables = _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed,
@@ -822,15 +843,15 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
                 out, lse = fwd_out, fwd_lse.float().contiguous()
     except (TritonFallback, Unsupported) as why:
         _note_fallback(score_mod, str(why), "jagged_attention_backward")
-        return _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed,
+        return _attention_backward_reference(*given, offsets, positions, q_side, k_side, tables, seed,
                                              fwd_out, fwd_lse, **kwargs)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    grad_out = grad_out.contiguous()
+    q, k, v = _at_launch_width(q), _at_launch_width(k), _at_launch_width(v)
     T, H = q.shape[0], q.shape[1]
     if activation == "softmax":
         delta = (grad_out.float() * out.float()).sum(-1).contiguous()
     else:  # the kernels read lse and delta under ACT == 2 only
         lse = delta = torch.empty(1, dtype=torch.float32, device=q.device)
+    grad_out = _at_launch_width(grad_out)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     fq = code.float_q_sides if code else []
     fk = code.float_k_sides if code else []
@@ -858,10 +879,14 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
                         seed_t, *side_args, *grad_args, *strides, plain=plain)
     except TritonFallback as why:
         _note_fallback(score_mod, str(why), "jagged_attention_backward")
-        return _attention_backward_reference(grad_out, q, k, v, offsets, positions, q_side, k_side, tables, seed,
+        return _attention_backward_reference(*given, offsets, positions, q_side, k_side, tables, seed,
                                              fwd_out, fwd_lse, **kwargs)
     if not use_qk:
         dq.zero_(), dk.zero_()
+    if dq.shape[2] != dqk:
+        dq, dk = dq[..., :dqk].contiguous(), dk[..., :dqk].contiguous()
+    if dv.shape[2] != dv_width:
+        dv = dv[..., :dv_width].contiguous()
 
     def side_grads(sides, acc):
         return [acc[i].sum(1).to(t.dtype) if i in acc else
@@ -937,13 +962,14 @@ def aot_cases() -> dict[str, tuple]:
 AOT_TOKENS, AOT_HEADS = 8192, 8
 
 
-def _aot_int_args(signature: dict, d: int, dropout: bool, tables: list, float_table_numels: list[int],
+def _aot_int_args(signature: dict, d: int, heads: int, dropout: bool, tables: list, float_table_numels: list[int],
                   block_n: int) -> dict[str, int]:
-    """The integer arguments the launcher passes at the AOT report's size (contiguous ``[T, H, d]``
-    inputs, contiguous tables), for the report to compile the specialisation a launch runs."""
-    values = {f"stride_{x}t": AOT_HEADS * d for x in "qkvo"} | {f"stride_{x}h": d for x in "qkvo"}
-    values |= dict(H=AOT_HEADS, DQK=d, DV=d, threshold=round(0.1 * (1 << 24)) if dropout else 0,
-                   NREP=_table_grad_replicas(float_table_numels, math.ceil(AOT_TOKENS / block_n) * AOT_HEADS))
+    """The integer arguments the launcher passes at the AOT report's size (contiguous ``[T, heads,
+    d]`` inputs, contiguous tables), for the report to compile the specialisation a launch runs."""
+    width = launch_width(d)
+    values = {f"stride_{x}t": heads * width for x in "qkvo"} | {f"stride_{x}h": width for x in "qkvo"}
+    values |= dict(H=heads, DQK=width, DV=width, threshold=round(0.1 * (1 << 24)) if dropout else 0,
+                   NREP=_table_grad_replicas(float_table_numels, math.ceil(AOT_TOKENS / block_n) * heads))
     for i, t in enumerate(tables):
         values |= {f"tab{i}_n{j}": n for j, n in enumerate(t.shape)}
         values |= {f"tab{i}_s{j}": st for j, st in enumerate(t.contiguous().stride())}
@@ -955,15 +981,16 @@ def aot_kernels(model: str) -> tuple[str, ...]:
     return ("fwd", "bwd_kv", "bwd_q") if aot_cases()[model][2] else ("fwd", "bwd_kv")
 
 
-def aot_config(model: str, kernel: str, arch: str, d: int, tile: Optional[tuple] = None) -> dict:
+def aot_config(model: str, kernel: str, arch: str, d: int, tile: Optional[tuple] = None,
+               heads: int = AOT_HEADS) -> dict:
     """The AOT compile config of ``kernel`` for ``model``'s score_mod (:func:`aot_cases`) at head
-    width ``d``, bf16, for ``arch``: its ``GPU_TILES`` tile, or ``tile`` = (BLOCK_M, BLOCK_N,
-    num_warps, num_stages) when given (tile sweeps)."""
-    return case_aot_config(aot_cases()[model], kernel, arch, d, tile, model=model)
+    width ``d`` with ``heads`` heads, bf16, for ``arch``: its ``GPU_TILES`` tile, or ``tile`` =
+    (BLOCK_M, BLOCK_N, num_warps, num_stages) when given (tile sweeps)."""
+    return case_aot_config(aot_cases()[model], kernel, arch, d, tile, model=model, heads=heads)
 
 
 def case_aot_config(case: tuple, kernel: str, arch: str, d: int, tile: Optional[tuple] = None,
-                    model: str = "custom") -> dict:
+                    model: str = "custom", heads: int = AOT_HEADS) -> dict:
     """:func:`aot_config` of one ``(score_mod key, activation, use_qk, dropout, q_sides, k_sides,
     tables)`` case (the shape of :func:`aot_cases`' values)."""
     key, activation, use_qk, dropout, q_sides, k_sides, tables = case
@@ -982,20 +1009,22 @@ def case_aot_config(case: tuple, kernel: str, arch: str, d: int, tile: Optional[
     signature = _kernel_signature(fn, torch.bfloat16, q_sides, k_sides, all_tables)
     float_tables = [all_tables[i].numel() for i in (code.float_tables if code else [])]
     return dict(kernel=f"jagged_attention_{kernel}", fn=fn, arch=arch, signature=signature,
-                int_args=_aot_int_args(signature, d, dropout, all_tables, float_tables, blocks["BLOCK_N"]),
+                int_args=_aot_int_args(signature, d, heads, dropout, all_tables, float_tables, blocks["BLOCK_N"]),
                 constexprs=constexprs, num_warps=warps, num_stages=stages, uses_dot=True,
                 config=dict(model=model, score_mod=key.split("-")[0] or "none", activation=activation,
-                            dtype="bf16", head_dim=d, dropout=dropout, arch=arch, **blocks,
+                            dtype="bf16", head_dim=d, heads=heads, dropout=dropout, arch=arch, **blocks,
                             tiles="swept" if tile else tile_source(kernel, arch, _bucket(d), plain)))
 
 
-# (model, head width) of the AOT report: the bf16 training dtype (fp32 runs the same kernels
-# without tensor cores), head widths 64 and 128
-AOT_REPORT = (("sasrec", 64), ("hstu", 128), ("hstu", 64), ("fuxi_positional", 64), ("time_bucket_per_head", 64))
+# (model, head width, heads) of the AOT report: the bf16 training dtype (fp32 runs the same kernels
+# without tensor cores), head widths 64 and 128; and the original SASRec's one head of width 50,
+# which a launch specialises differently (H = 1 a constant; strides and width not multiples of 16)
+AOT_REPORT = (("sasrec", 64, AOT_HEADS), ("hstu", 128, AOT_HEADS), ("hstu", 64, AOT_HEADS),
+              ("fuxi_positional", 64, AOT_HEADS), ("time_bucket_per_head", 64, AOT_HEADS), ("sasrec", 50, 1))
 
 
 def aot_configs() -> list[dict]:
     """The AOT report's configs: every kernel of :data:`AOT_REPORT` once per arch, with that arch's
     ``GPU_TILES`` tile (the ``arch`` key: compiled for that arch only)."""
-    return [aot_config(model, kernel, arch, d)
-            for model, d in AOT_REPORT for kernel in aot_kernels(model) for arch in ("sm_80", "sm_90")]
+    return [aot_config(model, kernel, arch, d, heads=heads)
+            for model, d, heads in AOT_REPORT for kernel in aot_kernels(model) for arch in ("sm_80", "sm_90")]

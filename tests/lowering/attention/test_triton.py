@@ -8,6 +8,7 @@ an additive float key-side mask that receives a gradient, log-bucketed time with
 from __future__ import annotations
 
 import os
+import warnings
 
 # GRCOMPILE_TEST_DEVICE=cuda runs the kernel-vs-reference cases natively on a GPU, e.g.
 #   GRCOMPILE_TEST_DEVICE=cuda pytest tests/lowering/attention/test_triton.py -k "reference or bias or bf16"
@@ -180,6 +181,47 @@ def test_bias_only_channel_without_qk():
     """FuXi-α's positional channel: no q·k, identity activation, the table is the whole weight."""
     args, kwargs = _case([17, 1, 0, 9], 2, 4, 8, "identity", True, 0.0, "position", 5, use_qk=False)
     _assert_match(args, kwargs)
+
+
+@pytest.mark.parametrize("activation,stats", [("silu", False), ("softmax", False), ("softmax", True)])
+def test_odd_head_widths_run_padded_to_a_multiple_of_16(monkeypatch, activation, stats):
+    """Widths 25 / 50 reach the kernels as 32 / 64 (zero-padded: a launch specialises strides and
+    widths divisible by 16, the key and value tiles load as vectors); the caller gets its widths
+    back, contiguous, with the reference's values and gradients — and the reference's own widths
+    if the kernels fail after padding."""
+    assert [at.launch_width(d) for d in (1, 16, 25, 50, 64, 100, 256)] == [16, 16, 32, 64, 64, 112, 256]
+    args, kwargs = _case([33, 0, 1, 20], 2, 25, 50, activation, True, 0.2, "hstu", 4)
+    seen = []
+    launch = at._launch
+
+    def recording(module, kernel, meta, *rest, **kw):
+        seen.append((kernel, meta["DQK"], meta["DV"]))
+        return launch(module, kernel, meta, *rest, **kw)
+    monkeypatch.setattr(at, "_launch", recording)
+    out, lse = at.attention_triton(*args, **kwargs, with_lse=True)
+    want = ref._attention_reference(*args, **kwargs)
+    assert out.shape == want.shape and out.is_contiguous()
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    grad = torch.randn_like(want)
+    extra = (out, lse) if stats else ()
+    g = at.attention_backward_triton(grad, *args, *extra, **kwargs)
+    r = ref._attention_backward_reference(grad, *args, **kwargs)
+    for name, a, b in (("dq", g[0], r[0]), ("dk", g[1], r[1]), ("dv", g[2], r[2])):
+        assert a.shape == b.shape and a.is_contiguous(), name
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(g[5][0], r[5][0], rtol=1e-4, atol=1e-4)
+    assert seen and all((dqk, dv) == (32, 64) for _, dqk, dv in seen), seen
+
+    def failing(module, kernel, *rest, **kw):
+        if kernel == "bwd_q":
+            raise at.TritonFallback("no tile fits (test)")
+        return launch(module, kernel, *rest, **kw)
+    monkeypatch.setattr(at, "_launch", failing)
+    with warnings.catch_warnings():  # the fallback warns once per process
+        warnings.simplefilter("ignore")
+        g = at.attention_backward_triton(grad, *args, *extra, **kwargs)
+    for a, b in zip(g[:3], r[:3]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_bf16_within_bf16_rounding():
@@ -375,7 +417,7 @@ def test_launch_config_picks_the_device_archs_tiles(monkeypatch):
     assert {c["arch"] for c in configs} == {"sm_80", "sm_90"}
     for c in configs:
         kernel = c["kernel"].removeprefix("jagged_attention_")
-        d, plain = c["config"]["head_dim"], c["config"]["score_mod"] == "none" and not c["config"]["dropout"]
+        d, plain = at._bucket(c["config"]["head_dim"]), c["config"]["score_mod"] == "none" and not c["config"]["dropout"]
         tile = at.MEASURED_TILES.get((c["arch"], d, "plain" if plain else "score_mod"), {}).get(kernel) or \
             at.GPU_TILES[kernel][c["arch"]][d]
         assert c["config"]["tiles"] == ("measured" if tile != at.GPU_TILES[kernel][c["arch"]][d] else "rule")
