@@ -586,8 +586,11 @@ def _check_supported(q: torch.Tensor, v: torch.Tensor, tables, max_len: int) -> 
         raise TritonFallback(f"head widths {q.shape[2]}, {v.shape[2]}: the kernel takes at most 256")
     if max_len > POSITION_BOUND or q.shape[1] > HEAD_BOUND:
         raise TritonFallback(f"max_len {max_len} > {POSITION_BOUND} or {q.shape[1]} heads > {HEAD_BOUND}")
-    big = [name for name, t in (("q", q), ("v", v), *((f"tables[{i}]", t) for i, t in enumerate(tables)))
-           if t.numel() >= 1 << 31]
+    # q and v as launched (launch_width pads their rows); token offsets are int32 in the kernels
+    sizes = [("q", q.shape[0] * q.shape[1] * launch_width(q.shape[2])),
+             ("v", v.shape[0] * v.shape[1] * launch_width(v.shape[2])),
+             *((f"tables[{i}]", t.numel()) for i, t in enumerate(tables))]
+    big = [name for name, n in sizes if n >= 1 << 31]
     if big or q.shape[0] * q.shape[1] >= 1 << 31:
         raise TritonFallback(f"{', '.join(big) or 'tokens x heads'} has 2**31 elements or more (int32 offsets)")
 

@@ -224,6 +224,15 @@ def test_odd_head_widths_run_padded_to_a_multiple_of_16(monkeypatch, activation,
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_int32_offsets_are_checked_at_the_launch_width():
+    """Width 50 pads to 64: 33,554,433 tokens fit int32 offsets at 50 wide and not at 64."""
+    T = (1 << 31) // 64 + 1
+    q = torch.empty(T, 1, 50, device="meta")
+    at._check_supported(q[:, :, :48], q[:, :, :48], [], 128)  # 48 is its own launch width: fits
+    with pytest.raises(at.TritonFallback, match="q, v has 2"):
+        at._check_supported(q, q, [], 128)
+
+
 def test_bf16_within_bf16_rounding():
     args, kwargs = _case([40, 7, 1], 2, 16, 16, "softmax", True, 0.0, "hstu", 11, dtype=torch.bfloat16)
     args32 = [a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a for a in args]
