@@ -597,9 +597,10 @@ def _check_supported(q: torch.Tensor, v: torch.Tensor, tables, max_len: int) -> 
 
 def split_interior(has_score_mod: bool) -> bool:
     """Whether the kernels run interior blocks in an unmasked loop apart (``SPLIT``): without a
-    score_mod. With one, the second copy of the tile's score_mod code made the AOT compile spill
-    (HSTU fwd on sm_80: 72 B, bwd_q on sm_90: 24 B; the per-head time table's fwd on sm_80:
-    48 B), and its table gathers, not the mask, are those kernels' cost."""
+    score_mod. With one, its table gathers, not the mask, are the kernels' cost, and the second
+    copy of its code is unmeasured on a GPU: compiled as launched (2026-11-28) it is spill-free on
+    every rule tile but raises the H100-measured HSTU bwd_kv tile's spill from 24 to 112 B (an
+    unspecialised compile had shown spills on three rule tiles, the reason it was first left off)."""
     return not has_score_mod
 
 
