@@ -74,6 +74,11 @@ _MMA_PATTERNS = {"mma.sync": re.compile(r"\bmma\.sync\b"), "wgmma": re.compile(r
 # Largest dynamic shared memory one block may opt into (CUDA programming guide, compute
 # capabilities table): A100 163 KiB, H100 227 KiB.
 MAX_SHARED_BYTES = {80: 166912, 90: 232448}
+# Per SM (CUDA occupancy calculator, compute capabilities 8.0 / 9.0): shared memory, 32-bit
+# registers, resident warps and blocks; each block also reserves 1 KiB of shared memory, and
+# registers are allocated per warp in units of 256.
+SM_SHARED_BYTES = {80: 167936, 90: 233472}
+SM_REGISTERS, SM_WARPS, SM_BLOCKS, BLOCK_RESERVED_SHARED, REGISTER_UNIT = 65536, 64, 32, 1024, 256
 
 REQUIRED_KEYS = ("kernel", "fn", "signature", "constexprs", "num_warps", "num_stages", "config", "uses_dot")
 
@@ -131,7 +136,7 @@ def _empty_record(**fields: Any) -> dict[str, Any]:
               "spill_store_bytes": None, "spill_load_bytes": None, "stack_bytes": None,
               "shared_bytes": None, "num_warps": None, "num_stages": None, "tensor_cores": False,
               "mma": [], "uses_dot": None, "ttir_has_dot": None, "compile_seconds": None,
-              "ptxas_seconds": None, "cache_hit": None, "specialized": {}, "global_loads": {}, "notes": [], "failures": []}
+              "ptxas_seconds": None, "cache_hit": None, "specialized": {}, "global_loads": {}, "occupancy": None, "notes": [], "failures": []}
     record.update(fields)
     return record
 
@@ -217,6 +222,7 @@ def compile_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         start = time.perf_counter()
         record.update(ptxas_resources(ptx, cc, kernel.metadata))
         record["ptxas_seconds"] = round(time.perf_counter() - start, 3)
+        record["occupancy"] = blocks_per_sm(cc, record["registers"], record["shared_bytes"], record["num_warps"])
         cubin_regs = cubin_registers(kernel.asm["cubin"])
         if cubin_regs is not None and cubin_regs != record["registers"]:
             record["notes"].append(f"ptxas -v re-run reports {record['registers']} registers, "
@@ -243,6 +249,18 @@ def global_loads(ptx: str) -> dict[str, int]:
         key = f"cp.async {int(m.group(1), 0)} B"
         counts[key] = counts.get(key, 0) + 1
     return dict(sorted(counts.items()))
+
+
+def blocks_per_sm(cc: int, registers: int, shared_bytes: int, num_warps: int) -> dict[str, int]:
+    """How many blocks of this kernel one SM holds at once, and what limits it: ``{"blocks",
+    "warps", "limit"}`` (limit: ``registers``, ``shared`` or ``warps``). One block of 4 warps
+    per SM is a single warpgroup with nothing to overlap its loads, MMAs and softmax against."""
+    per_warp = -(-max(registers, 1) * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    limits = {"registers": (SM_REGISTERS // per_warp) // num_warps,
+              "shared": SM_SHARED_BYTES[cc] // (shared_bytes + BLOCK_RESERVED_SHARED),
+              "warps": min(SM_WARPS // num_warps, SM_BLOCKS)}
+    limit = min(limits, key=limits.get)
+    return {"blocks": limits[limit], "warps": limits[limit] * num_warps, "limit": limit}
 
 
 def launch_specialization(signature: Mapping[str, str], constexprs: Mapping[str, Any], divisible: Iterable[str],
@@ -396,6 +414,9 @@ def cache_records(cache_dir: str, kernels: Optional[str] = None) -> list[dict[st
         try:
             record.update(ptxas_resources(ptx, cc, SimpleNamespace(enable_fp_fusion=meta.get("enable_fp_fusion", True),
                                                                    ptx_options=meta.get("ptx_options"))))
+            if cc in SM_SHARED_BYTES:
+                record["occupancy"] = blocks_per_sm(cc, record["registers"], record["shared_bytes"],
+                                                    record["num_warps"])
         except Exception as e:
             record["error"] = f"ptxas -v: {_one_line(e)}"
         records.append(_judge(record))
@@ -574,7 +595,7 @@ def _short_loads(loads: dict[str, int]) -> str:
 def format_table(records: list[dict[str, Any]]) -> str:
     """A fixed-width table: one line per record, failures spelled out underneath."""
     header = ("kernel", "config", "arch", "ok", "regs", "spill", "stack", "smem", "warps", "stages",
-              "mma", "dot", "loads", "secs")
+              "mma", "dot", "loads", "warps/SM", "secs")
     rows = []
     for r in records:
         def num(v: Any) -> str:
@@ -585,6 +606,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
                      ("+".join(r["mma"]) or "-") if r["compiled"] else "-",
                      "-" if r["uses_dot"] is None else ("yes" if r["uses_dot"] else "no"),
                      _short_loads(r.get("global_loads") or {}),
+                     (lambda o: f"{o['warps']} ({o['limit'][:4]})" if o else "-")(r.get("occupancy")),
                      "-" if r["compile_seconds"] is None
                      else f"{r['compile_seconds']:.2f}" + ("*" if r["cache_hit"] else "")))
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]

@@ -136,6 +136,7 @@ def test_record_fields(test_report):
         if r["compiled"]:
             assert r["error"] is None, r
             assert 0 < r["registers"] <= 255 and r["compile_seconds"] >= 0
+            assert r["occupancy"]["blocks"] >= 1 and r["occupancy"]["warps"] <= 64
             assert r["notes"] == [], r["notes"]  # ptxas -v re-run agrees with the cubin's registers
     assert report["triton_version"] == triton.__version__
     assert report["roofline"]["rows"]
@@ -246,6 +247,16 @@ def test_launch_specialization_is_tritons():
     assert constexprs == {"B": 64, "one": 1} and divisible == ["x", "d", "big"]
     with pytest.raises(TypeError, match="odd"):
         aot.launch_specialization({"odd": "i32"}, {}, [], dict(odd=7.0))
+
+
+def test_blocks_per_sm_by_the_occupancy_rules():
+    # 2 blocks of 113 KiB + 1 KiB reserved fill an H100 SM's 228 KiB exactly; one byte more does not
+    assert aot.blocks_per_sm(90, 236, 115712, 4) == {"blocks": 2, "warps": 8, "limit": "registers"}
+    assert aot.blocks_per_sm(90, 200, 115713, 4) == {"blocks": 1, "warps": 4, "limit": "shared"}
+    # 255 registers: 8,192 a warp (256-register units), 8 warps an SM
+    assert aot.blocks_per_sm(80, 255, 1000, 8) == {"blocks": 1, "warps": 8, "limit": "registers"}
+    assert aot.blocks_per_sm(80, 64, 0, 1)["blocks"] == 32  # the resident-block cap
+    assert aot.blocks_per_sm(90, 32, 0, 4)["warps"] == 64
 
 
 def test_global_loads_reads_widths_from_ptx():
