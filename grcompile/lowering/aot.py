@@ -354,9 +354,11 @@ def _judge(record: dict[str, Any]) -> dict[str, Any]:
         if record["error"]:
             reasons.append(record["error"])
         spills = f"spills {record['spill_store_bytes']} B stored / {record['spill_load_bytes']} B loaded"
-        if record["spill_bytes"] and (record.get("config") or {}).get("tiles") == "measured":
-            # a tile chosen by timing it on the GPU: the spill is reported, the measurement decides
-            record["notes"].append(f"{spills} (tile measured fastest on a GPU)")
+        tiles = (record.get("config") or {}).get("tiles")
+        if record["spill_bytes"] and tiles in ("measured", "candidate"):
+            # a tile chosen, or to be chosen, by timing it on the GPU: the spill is reported, the timing decides
+            record["notes"].append(f"{spills} (tile " + ("measured fastest on a GPU)" if tiles == "measured"
+                                                         else "the autotuner times)"))
         elif record["spill_bytes"]:
             reasons.append(spills)
         limit = MAX_SHARED_BYTES.get(ARCHS.get(record["arch"], 0))

@@ -23,7 +23,7 @@ MMA is spill-free for all), and the least-spilling one is chosen: plain kernel s
 then the arch's tensor-core MMA in the PTX (a sm_90 tile on ``mma.sync`` alone is taken only when
 no ``wgmma`` tile keeps the plain kernel spill-free: d = 256), the fewest spilling score_mods, the
 fewest spilled bytes (summed), the arch's MMA alone over mixed (sm_90 ``wgmma`` + ``mma.sync``:
-a tl.dot with M < 64 stays on ``mma.sync``), larger tiles, fewer registers. Such a choice is
+a tl.dot with M < 64 stays on ``mma.sync``), larger tiles, pipelined ones, fewer registers. Such a choice is
 printed as ``SPILLS`` and / or ``MMA`` (not only the arch's tensor-core instruction).
 """
 from __future__ import annotations
@@ -123,7 +123,7 @@ class Sweep:
             spilling = [m for m in self.models if m not in res or res[m]["spill_bytes"]]
             level = max(r["mma_level"] for r in res.values())
             return (any(r["hard"] for r in res.values()), plain, level == 2, len(spilling),
-                    sum(r["spill_bytes"] for r in res.values()), level, -t[0] * t[1], self.max_regs(t))
+                    sum(r["spill_bytes"] for r in res.values()), level, -t[0] * t[1], t[3] < 2, self.max_regs(t))
         chosen = min(self.results, key=rank)
         return self.report(chosen, start=start, passing=[])
 

@@ -456,6 +456,8 @@ def test_a_spill_fails_a_rule_tile_and_is_noted_on_a_measured_one():
     assert any(f.startswith("spills") for f in rule["failures"])
     measured = aot._judge(dict(base, notes=[], config={"tiles": "measured"}))
     assert measured["failures"] == [] and "measured fastest on a GPU" in measured["notes"][0]
+    candidate = aot._judge(dict(base, notes=[], config={"tiles": "candidate"}))
+    assert candidate["failures"] == [] and "the autotuner times" in candidate["notes"][0]
 
 
 def per_head_table_configs() -> list[dict]:

@@ -44,6 +44,11 @@ def test_a_pipelined_tile_beats_one_stage_with_fewer_registers():
     r = FakeSweep("fwd", "sm_90", 64, fake).run()
     assert tuple(r["tile"]) == (64, 64, 8, 3)  # of the pipelined ones, the fewer registers
 
+    def mixed(tile, model):  # nothing passes (mma.sync beside wgmma everywhere): the same preference
+        return {1: 150, 2: 200, 3: 190}[tile[3]], 0 if tile[:3] == (64, 64, 8) else 96, 1
+    r = FakeSweep("bwd_kv", "sm_90", 64, mixed).run()
+    assert tuple(r["tile"]) == (64, 64, 8, 3) and r["mma_level"] == 1
+
 
 def test_no_spill_free_wgmma_tile_at_256_takes_a_spill_free_mma_sync_one():
     def fake(tile, model):  # sm_90: BLOCK_M < 64 is mma.sync alone (level 2), BLOCK_M >= 64 spills

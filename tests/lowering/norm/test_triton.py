@@ -161,7 +161,7 @@ def test_aot_config_compiles_for_sm90() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["n"] >= 8 and res["kernels"] == ["gated_norm_bwd", "gated_norm_fwd"]
-    assert res["keys"] == sorted(["kernel", "fn", "signature", "constexprs", "num_warps", "num_stages", "config",
+    assert res["keys"] == sorted(["kernel", "fn", "signature", "int_args", "constexprs", "num_warps", "num_stages", "config",
                                   "uses_dot"])
     assert res["ptx"] and res["cubin"] > 0
 
