@@ -22,6 +22,13 @@ for case in "hstu silu" "none silu" "none softmax" "hstu softmax"; do
       | tee -a "$LOG"
   done
 done
+# head widths that are not multiples of 16 run padded to one (launch_width): width 50 should time
+# like width 64, not far slower (before: 2-byte scalar loads, no pipelining; one head as SASRec)
+for width in 50 64; do
+  step attention kernels softmax one head width $width
+  timeout 60 python3 -m grcompile.bench.attention_kernel --tokens 8192 --rows 4 --heads 1 --head-dim $width \
+    --dtype bf16 --bias none --activation softmax --json "$OUT/attn-width$width.json" 2>&1 | tail -4 | tee -a "$LOG"
+done
 step fp8 kernels back to back
 timeout 90 python3 -m grcompile.bench.fp8_kernel --tokens 32768 --dim 1024 --back-to-back 10 \
   --json "$OUT/fp8-kernels-b2b.json" 2>&1 | tee -a "$LOG"
