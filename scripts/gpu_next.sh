@@ -26,7 +26,7 @@ done
 # like width 64, not far slower (before: 2-byte scalar loads, no pipelining; one head as SASRec)
 for width in 50 64; do
   step attention kernels softmax one head width $width
-  timeout 60 python3 -m grcompile.bench.attention_kernel --tokens 8192 --rows 4 --heads 1 --head-dim $width \
+  GRCOMPILE_AUTOTUNE=0 timeout 60 python3 -m grcompile.bench.attention_kernel --tokens 8192 --rows 4 --heads 1 --head-dim $width \
     --dtype bf16 --bias none --activation softmax --json "$OUT/attn-width$width.json" 2>&1 | tail -4 | tee -a "$LOG"
 done
 step fp8 kernels back to back
