@@ -79,6 +79,16 @@ MAX_SHARED_BYTES = {80: 166912, 90: 232448}
 # registers are allocated per warp in units of 256.
 SM_SHARED_BYTES = {80: 167936, 90: 233472}
 SM_REGISTERS, SM_WARPS, SM_BLOCKS, BLOCK_RESERVED_SHARED, REGISTER_UNIT = 65536, 64, 32, 1024, 256
+# The register file is split between 4 scheduler sub-partitions and a warp lives in one of them.
+SM_SUB_PARTITIONS = 4
+
+
+def tensor_core_instruction(cc: int) -> Optional[str]:
+    """The tensor-core MMA instruction Triton emits for compute capability ``cc`` (``mma.sync``
+    on 8.x, ``wgmma`` on 9.0); ``None`` where this report has no rule (e.g. Blackwell's tcgen05)."""
+    if 80 <= cc < 90:
+        return "mma.sync"
+    return TENSOR_CORE_PTX.get(cc)
 
 REQUIRED_KEYS = ("kernel", "fn", "signature", "constexprs", "num_warps", "num_stages", "config", "uses_dot")
 
@@ -215,7 +225,7 @@ def compile_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     record["num_warps"] = int(kernel.metadata.num_warps)
     record["num_stages"] = int(kernel.metadata.num_stages)
     record["mma"] = sorted(name for name, pattern in _MMA_PATTERNS.items() if pattern.search(ptx))
-    record["tensor_cores"] = TENSOR_CORE_PTX[cc] in record["mma"]
+    record["tensor_cores"] = tensor_core_instruction(cc) in record["mma"]
     record["global_loads"] = global_loads(ptx)
     record["ttir_has_dot"] = bool(re.search(r"\btt\.dot\b|\btt\.dot_scaled\b", kernel.asm["ttir"]))
     try:
@@ -232,7 +242,8 @@ def compile_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     return _judge(record)
 
 
-_LD_GLOBAL = re.compile(r"\bld\.global\S*?(?:\.v([248]))?\.[bsuf](\d+)\s")
+# ld.global and its qualified forms (ld.volatile.global, ld.relaxed.gpu.global, ld.global.nc.L1::...)
+_LD_GLOBAL = re.compile(r"\bld(?:\.(?!global\b)[\w:]+)*\.global\S*?(?:\.v([248]))?\.[bsuf](\d+)\s")
 _CP_ASYNC = re.compile(r"\bcp\.async\.c[ag]\.shared\.global[^;]*?,\s*(0x[0-9a-fA-F]+|\d+)\s*[,;]")
 
 
@@ -256,7 +267,8 @@ def blocks_per_sm(cc: int, registers: int, shared_bytes: int, num_warps: int) ->
     "warps", "limit"}`` (limit: ``registers``, ``shared`` or ``warps``). One block of 4 warps
     per SM is a single warpgroup with nothing to overlap its loads, MMAs and softmax against."""
     per_warp = -(-max(registers, 1) * 32 // REGISTER_UNIT) * REGISTER_UNIT
-    limits = {"registers": (SM_REGISTERS // per_warp) // num_warps,
+    warps_by_registers = (SM_REGISTERS // SM_SUB_PARTITIONS // per_warp) * SM_SUB_PARTITIONS
+    limits = {"registers": warps_by_registers // num_warps,
               "shared": SM_SHARED_BYTES[cc] // (shared_bytes + BLOCK_RESERVED_SHARED),
               "warps": min(SM_WARPS // num_warps, SM_BLOCKS)}
     limit = min(limits, key=limits.get)
@@ -364,13 +376,25 @@ def _judge(record: dict[str, Any]) -> dict[str, Any]:
         limit = MAX_SHARED_BYTES.get(ARCHS.get(record["arch"], 0))
         if limit is not None and record["shared_bytes"] > limit:
             reasons.append(f"needs {record['shared_bytes']} B shared memory, {record['arch']} allows {limit} B per block")
+        instruction = _arch_tensor_core_instruction(record["arch"])
         if (record["uses_dot"] or record["ttir_has_dot"]) and not record["tensor_cores"]:
             found = ", ".join(record["mma"]) or "no MMA instruction"
-            reasons.append(f"has tl.dot but no {TENSOR_CORE_PTX[ARCHS[record['arch']]]} in the PTX ({found})")
+            if instruction is None:
+                record["notes"].append(f"tensor cores not checked: no rule for {record['arch']}'s MMA "
+                                       f"instruction (found: {found})")
+            else:
+                reasons.append(f"has tl.dot but no {instruction} in the PTX ({found})")
         if record["ttir_has_dot"] and not record["uses_dot"]:
             reasons.append("provider says uses_dot=False but the TTIR has tt.dot")
     record["failures"] = reasons
     return record
+
+
+def _arch_tensor_core_instruction(arch: str) -> Optional[str]:
+    cc = ARCHS.get(arch)
+    if cc is None and re.fullmatch(r"sm_\d+a?", arch):
+        cc = int(arch[3:].rstrip("a"))
+    return None if cc is None else tensor_core_instruction(cc)
 
 
 _TTIR_DIVISIBLE = re.compile(r"%(\w+): [^,{]*\{tt\.divisibility = 16")
@@ -409,7 +433,7 @@ def cache_records(cache_dir: str, kernels: Optional[str] = None) -> list[dict[st
                                shared_bytes=int(meta.get("shared", 0)))
         ptx = ptx_path.read_text()
         record["mma"] = sorted(name for name, pattern in _MMA_PATTERNS.items() if pattern.search(ptx))
-        record["tensor_cores"] = TENSOR_CORE_PTX.get(cc) in record["mma"]
+        record["tensor_cores"] = tensor_core_instruction(cc) in record["mma"]
         record["ttir_has_dot"] = bool(re.search(r"\btt\.dot\b|\btt\.dot_scaled\b", ttir)) if ttir else None
         record["uses_dot"] = record["ttir_has_dot"]
         record["global_loads"] = global_loads(ptx)

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -257,6 +258,8 @@ def test_blocks_per_sm_by_the_occupancy_rules():
     assert aot.blocks_per_sm(80, 255, 1000, 8) == {"blocks": 1, "warps": 8, "limit": "registers"}
     assert aot.blocks_per_sm(80, 64, 0, 1)["blocks"] == 32  # the resident-block cap
     assert aot.blocks_per_sm(90, 32, 0, 4)["warps"] == 64
+    # 40 registers: 1,280 a warp; a sub-partition's 16,384 hold 12 warps, so 48 an SM, not 65,536 / 1,280 = 51
+    assert aot.blocks_per_sm(90, 40, 0, 2) == {"blocks": 24, "warps": 48, "limit": "registers"}
 
 
 def test_global_loads_reads_widths_from_ptx():
@@ -267,8 +270,13 @@ def test_global_loads_reads_widths_from_ptx():
         @%p3 cp.async.cg.shared.global [ %r7 + 0 ], [ %rd4 + 0 ], 0x10, %r8;
         cp.async.ca.shared.global [ %r9 + 0 ], [ %rd5 + 0 ], 8;
         st.global.b32 [ %rd6 + 0 ], { %r10 };
+        ld.volatile.global.b32 %r11, [ %rd7 + 0 ];
+        @%p4 ld.relaxed.gpu.global.v2.b32 { %r12, %r13 }, [ %rd8 + 0 ];
+        ld.shared.v4.b32 { %r14, %r15, %r16, %r17 }, [ %r18 + 0 ];
+        ld.param.u64 %rd9, [ k_param_0 ];
     """
-    assert aot.global_loads(ptx) == {"cp.async 16 B": 1, "cp.async 8 B": 1, "ld 16 B": 1, "ld 2 B": 1, "ld 8 B": 1}
+    assert aot.global_loads(ptx) == {"cp.async 16 B": 1, "cp.async 8 B": 1, "ld 16 B": 1, "ld 2 B": 1, "ld 4 B": 1,
+                                     "ld 8 B": 2}
 
 
 def test_the_report_compiles_the_launchs_specialisation(tmp_path):
@@ -311,6 +319,28 @@ def test_the_kernels_in_a_triton_cache_read_back_as_compiled(tmp_path):
     assert sorted(map(tuple, by_kernel["_strided_copy"])) == [("x", "y")] * 2 + [("x", "y", "n")] * 2
     assert all(r["failures"] == [] for r in after)
     assert _run_cli("--from-cache", str(cache), "--kernels", "silu").stdout.count("_silu ") == 2
+
+    # a cache from another GPU: sm_89 has sm_80's mma.sync; sm_100's MMA has no rule here (noted, not failed)
+    for cc in (89, 100):
+        other = tmp_path / f"cache_{cc}"
+        shutil.copytree(cache, other)
+        for meta_path in sorted(other.glob("*/*.json")):
+            if meta_path.name.startswith("__grp__"):
+                continue
+            meta = json.loads(meta_path.read_text())
+            if meta.get("target", {}).get("arch") != 80:
+                shutil.rmtree(meta_path.parent)
+                continue
+            meta["target"]["arch"] = cc
+            meta_path.write_text(json.dumps(meta))
+        records = aot.cache_records(str(other))
+        assert len(records) == 4 and {r["arch"] for r in records} == {f"sm_{cc}"}
+        dots = [r for r in records if r["ttir_has_dot"]]
+        assert dots and all(r["failures"] == [] for r in records), records
+        if cc == 89:
+            assert all(r["tensor_cores"] for r in dots)
+        else:
+            assert all("no rule for sm_100" in " ".join(r["notes"]) for r in dots)
 
 
 def test_parse_ptxas_log():
