@@ -32,11 +32,13 @@ grcompile (docs/DESIGN.md, "Layers").
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import importlib
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 # device type -> kernel slot; anything else runs the reference
 _DEVICE_SLOT = {"cuda": "triton", "xpu": "triton", "npu": "ascend"}
@@ -147,10 +149,13 @@ def note_fallback(name: str, key: str, why: str, kernel: str = "triton") -> bool
 
 
 def _move_call(entry: OpEntry, counted: str, ran: str) -> None:
-    """One call counted under ``counted`` ran with ``ran``. A kernel function called directly (not
-    through the op) was never counted: nothing to take back then, the count stays >= 0."""
-    if entry.calls[counted] > 0:
+    """The call in progress, counted under ``counted``, ran with ``ran``. Only a call dispatched
+    by :func:`lookup` was counted, and it moves once; a kernel function called directly adds its
+    ``ran`` call and takes nothing back from earlier dispatched calls."""
+    call = _DISPATCHED.get()
+    if call is not None and call.op == entry.name and call.backend == counted and not call.moved:
         entry.calls[counted] -= 1
+        call.moved = True
     entry.calls[ran] += 1
 
 
@@ -181,8 +186,30 @@ def lookup(name: str, device_type: str) -> Callable:
     except KeyError:
         raise KeyError(f"grcompile.lowering: no op named {name!r}; registered: {sorted(OPS)}") from None
     backend, kernel = entry.kernel_for(device_type)
+    if backend == "reference":
+        entry.calls[backend] += 1
+        return kernel
+    return functools.partial(_dispatched_call, entry, backend, kernel)
+
+
+@dataclass
+class _Call:
+    op: str
+    backend: str
+    moved: bool = False
+
+
+# The kernel call lookup() dispatched and counted, while it runs (a fallback inside moves its count).
+_DISPATCHED: contextvars.ContextVar[Optional[_Call]] = contextvars.ContextVar("grcompile_dispatched", default=None)
+
+
+def _dispatched_call(entry: OpEntry, backend: str, kernel: Callable, *args: Any, **kwargs: Any) -> Any:
     entry.calls[backend] += 1
-    return kernel
+    token = _DISPATCHED.set(_Call(entry.name, backend))
+    try:
+        return kernel(*args, **kwargs)
+    finally:
+        _DISPATCHED.reset(token)
 
 
 # Registering the ops (import order matters: the registry above must exist first).

@@ -702,13 +702,40 @@ def test_op_registry_lookup() -> None:
     ref = lowering.OPS["gated_norm"].reference
     assert lowering.lookup("gated_norm", "cpu") is ref
     from grcompile.lowering.norm import triton as norm_triton  # the lazy triton slot, resolved on CUDA
-    assert lowering.lookup("gated_norm", "cuda") is norm_triton.gated_norm_triton
+    assert lowering.OPS["gated_norm"].kernel_for("cuda") == ("triton", norm_triton.gated_norm_triton)
     with pytest.raises(KeyError, match="no op named"):
         lowering.lookup("nope", "cpu")
-    kernel = lambda *a, **k: None  # noqa: E731
+    kernel = lambda x: x + 1  # noqa: E731
     lowering.register_op("test_dummy", reference=ref, triton=kernel)
     try:
-        assert lowering.lookup("test_dummy", "cuda") is kernel
+        assert lowering.lookup("test_dummy", "cuda")(1) == 2
         assert lowering.lookup("test_dummy", "npu") is ref
+        assert dict(lowering.OPS["test_dummy"].calls) == {"triton": 1, "reference": 1}
     finally:
         del lowering.OPS["test_dummy"]
+
+
+def test_a_kernels_handoff_moves_only_the_call_dispatched_to_it() -> None:
+    """A kernel that hands its call to the reference (or a library) moves that one call's count,
+    once; called directly, not through the op, it takes nothing back from earlier calls."""
+    def kernel(x, handoffs=1):
+        for _ in range(handoffs):
+            lowering.note_fallback("test_handoff", "k", "test")
+            lowering.note_library("test_handoff", "cublas")
+        return x
+
+    lowering.register_op("test_handoff", reference=lambda x, handoffs=1: x, triton=kernel)
+    calls = lowering.OPS["test_handoff"].calls
+    try:
+        lowering.OPS["test_handoff"].triton = lambda x, handoffs=1: x
+        for _ in range(3):
+            lowering.lookup("test_handoff", "cuda")(0)
+        assert dict(calls) == {"triton": 3}
+        lowering.OPS["test_handoff"].triton = kernel
+        lowering.lookup("test_handoff", "cuda")(0, handoffs=2)
+        assert (calls["triton"], calls["reference"], calls["cublas"]) == (3, 2, 2)
+        kernel(0)  # direct: the three dispatched triton calls stay counted
+        assert (calls["triton"], calls["reference"], calls["cublas"]) == (3, 3, 3)
+        assert lowering.kernel_usage()["test_handoff"] == {"triton": 3, "reference": 3, "cublas": 3}
+    finally:
+        del lowering.OPS["test_handoff"]
