@@ -769,7 +769,8 @@ def _prepare(q, k, v, q_side, k_side, tables, *, score_mod, use_qk, activation, 
 
 def _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score_mod, use_qk, activation, scale,
              out_scale, causal, max_len, dropout_p):
-    """``(out, lse, module, code, all_tables)``; raises TritonFallback / Unsupported before launching."""
+    """``(out, lse, (q, k, v), module, code, all_tables)``, q / k / v as launched (at the launch
+    width); raises TritonFallback / Unsupported before launching."""
     width = v.shape[2]
     q, k, v, module, code, all_tables = _prepare(q, k, v, q_side, k_side, tables, score_mod=score_mod, use_qk=use_qk,
                                                  activation=activation, causal=causal, max_len=max_len,
@@ -793,7 +794,7 @@ def _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score
                              "(torch raises IndexError on this input)")
     if out.shape[2] != width:
         out = out[..., :width].contiguous()
-    return out, lse, module, code, all_tables
+    return out, lse, (q, k, v), module, code, all_tables
 
 
 def attention_triton(q, k, v, offsets, positions, q_side, k_side, tables, seed=None, *, score_mod, use_qk,
@@ -838,8 +839,8 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
     given = (grad_out, q, k, v)  # the reference, if the kernels fail, takes the call as given
     try:
         if activation == "softmax" and not stats:  # the gradient needs the row's log-sum-exp: rerun the forward
-            out, lse, module, code, all_tables = _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed,
-                                                          **kwargs)
+            out, lse, (q, k, v), module, code, all_tables = _forward(q, k, v, offsets, positions, q_side, k_side,
+                                                                     tables, seed, **kwargs)
         else:  # the forward's statistics, or SiLU / identity (pointwise: recomputed tile by tile)
             q, k, v, module, code, all_tables = _prepare(q, k, v, q_side, k_side, tables, score_mod=score_mod,
                                                          use_qk=use_qk, activation=activation, causal=causal,
@@ -850,7 +851,6 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
         _note_fallback(score_mod, str(why), "jagged_attention_backward")
         return _attention_backward_reference(*given, offsets, positions, q_side, k_side, tables, seed,
                                              fwd_out, fwd_lse, **kwargs)
-    q, k, v = _at_launch_width(q), _at_launch_width(k), _at_launch_width(v)
     T, H = q.shape[0], q.shape[1]
     if activation == "softmax":
         delta = (grad_out.float() * out.float()).sum(-1).contiguous()
@@ -970,7 +970,8 @@ AOT_TOKENS, AOT_HEADS = 8192, 8
 def _aot_int_args(signature: dict, d: int, heads: int, dropout: bool, tables: list, float_table_numels: list[int],
                   block_n: int) -> dict[str, int]:
     """The integer arguments the launcher passes at the AOT report's size (contiguous ``[T, heads,
-    d]`` inputs, contiguous tables), for the report to compile the specialisation a launch runs."""
+    d]`` inputs, contiguous tables; ``block_n``: bwd_kv's key block), for the report to compile
+    the specialisation a launch runs."""
     width = launch_width(d)
     values = {f"stride_{x}t": heads * width for x in "qkvo"} | {f"stride_{x}h": width for x in "qkvo"}
     values |= dict(H=heads, DQK=width, DV=width, threshold=round(0.1 * (1 << 24)) if dropout else 0,
@@ -1013,8 +1014,11 @@ def case_aot_config(case: tuple, kernel: str, arch: str, d: int, tile: Optional[
     fn = getattr(module, kernel)
     signature = _kernel_signature(fn, torch.bfloat16, q_sides, k_sides, all_tables)
     float_tables = [all_tables[i].numel() for i in (code.float_tables if code else [])]
+    # the launcher sizes the table-gradient replicas (NREP) by bwd_kv's key block, for both backward kernels
+    kv_block_n = blocks["BLOCK_N"] if kernel == "bwd_kv" else \
+        launch_config("bwd_kv", d, d, arch=arch, plain=plain)[0]["BLOCK_N"]
     return dict(kernel=f"jagged_attention_{kernel}", fn=fn, arch=arch, signature=signature,
-                int_args=_aot_int_args(signature, d, heads, dropout, all_tables, float_tables, blocks["BLOCK_N"]),
+                int_args=_aot_int_args(signature, d, heads, dropout, all_tables, float_tables, kv_block_n),
                 constexprs=constexprs, num_warps=warps, num_stages=stages, uses_dot=True,
                 config=dict(model=model, score_mod=key.split("-")[0] or "none", activation=activation,
                             dtype="bf16", head_dim=d, heads=heads, dropout=dropout, arch=arch, **blocks,
@@ -1023,7 +1027,7 @@ def case_aot_config(case: tuple, kernel: str, arch: str, d: int, tile: Optional[
 
 # (model, head width, heads) of the AOT report: the bf16 training dtype (fp32 runs the same kernels
 # without tensor cores), head widths 64 and 128; and the original SASRec's one head of width 50,
-# which a launch specialises differently (H = 1 a constant; strides and width not multiples of 16)
+# launched at width 64 (launch_width) and specialised differently (H = 1 a constant)
 AOT_REPORT = (("sasrec", 64, AOT_HEADS), ("hstu", 128, AOT_HEADS), ("hstu", 64, AOT_HEADS),
               ("fuxi_positional", 64, AOT_HEADS), ("time_bucket_per_head", 64, AOT_HEADS), ("sasrec", 50, 1))
 
