@@ -179,8 +179,9 @@ def kernel_fallbacks() -> list[str]:
 
 
 def lookup(name: str, device_type: str) -> Callable:
-    """The implementation of op ``name`` for ``device_type`` ("cpu", "cuda", "npu", ...); counts
-    the call under the backend it picked."""
+    """The implementation of op ``name`` for ``device_type`` ("cpu", "cuda", "npu", ...): each call
+    of what it returns counts under the backend it picked (a kernel's handoff to the reference or
+    a library inside that call moves the count, see :func:`note_fallback`)."""
     try:
         entry = OPS[name]
     except KeyError:
@@ -203,7 +204,7 @@ class _Call:
 _DISPATCHED: contextvars.ContextVar[Optional[_Call]] = contextvars.ContextVar("grcompile_dispatched", default=None)
 
 
-def _dispatched_call(entry: OpEntry, backend: str, kernel: Callable, *args: Any, **kwargs: Any) -> Any:
+def _dispatched_call(entry: OpEntry, backend: str, kernel: Callable, /, *args: Any, **kwargs: Any) -> Any:
     entry.calls[backend] += 1
     token = _DISPATCHED.set(_Call(entry.name, backend))
     try:

@@ -85,8 +85,9 @@ SM_SUB_PARTITIONS = 4
 
 def tensor_core_instruction(cc: int) -> Optional[str]:
     """The tensor-core MMA instruction Triton emits for compute capability ``cc`` (``mma.sync``
-    on 8.x, ``wgmma`` on 9.0); ``None`` where this report has no rule (e.g. Blackwell's tcgen05)."""
-    if 80 <= cc < 90:
+    on 8.x and consumer Blackwell 12.x, ``wgmma`` on 9.0); ``None`` where this report has no rule
+    (data-centre Blackwell's tcgen05)."""
+    if 80 <= cc < 90 or 120 <= cc < 130:
         return "mma.sync"
     return TENSOR_CORE_PTX.get(cc)
 

@@ -262,6 +262,11 @@ def test_blocks_per_sm_by_the_occupancy_rules():
     assert aot.blocks_per_sm(90, 40, 0, 2) == {"blocks": 24, "warps": 48, "limit": "registers"}
 
 
+def test_tensor_core_instruction_by_compute_capability():
+    assert [aot.tensor_core_instruction(cc) for cc in (80, 86, 89, 90, 100, 120)] == \
+        ["mma.sync", "mma.sync", "mma.sync", "wgmma", None, "mma.sync"]
+
+
 def test_global_loads_reads_widths_from_ptx():
     ptx = """
         @%p1 ld.global.b16 { %rs1 }, [ %rd1 + 0 ];

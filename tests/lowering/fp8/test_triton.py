@@ -415,6 +415,8 @@ def test_a_library_handoff_is_reported_under_the_library() -> None:
         entry.triton = lambda: note_library("scaled_linear_fp8", "cublas")
         lookup("scaled_linear_fp8", "cuda")()
         assert kernel_usage()["scaled_linear_fp8"] == {"triton": 1, "cublas": 1}
+        note_library("scaled_linear_fp8", "cublas")  # outside a dispatched call: the Triton call stays counted
+        assert kernel_usage()["scaled_linear_fp8"] == {"triton": 1, "cublas": 2}
     finally:
         entry.calls.clear()
         entry.calls.update(saved)
