@@ -14,7 +14,9 @@ memory and has only the arch's tensor-core MMA (sm_90: ``wgmma`` and no ``mma.sy
 BLOCK_N) from the largest; the first size with a passing tile wins, and among its passing tiles
 a pipelined one (2 or 3 stages: the key and value tiles of the next blocks are prefetched by
 asynchronous copies while this one computes; 1 stage waits for every load), then the fewest
-registers (the most of any score_mod), then more stages. A tile stops at its first
+registers (the most of any score_mod), then more stages. Where only one-stage tiles pass at the
+first size, the next size down is tried: a pipelined tile there wins over them (half the work
+per program, its loads overlapped), else the larger one-stage tile stands. A tile stops at its first
 failing score_mod (the heaviest are compiled first).
 
 When no tile passes, every tile whose plain kernel (SASRec, no score_mod) compiles without
@@ -98,11 +100,22 @@ class Sweep:
         by_area: dict[int, list] = {}
         for tile in tiles(self.bucket):
             by_area.setdefault(tile[0] * tile[1], []).append(tile)
+        def choose(passing: list) -> dict[str, Any]:
+            chosen = min(passing, key=lambda t: (t[3] < 2, self.max_regs(t), -t[3], t[2]))
+            return self.report(chosen, start=start, passing=passing)
+
+        one_stage: Optional[list] = None  # the largest size's passing tiles, when all have one stage
         for area in sorted(by_area, reverse=True):
             passing = [t for t in by_area[area] if self.evaluate(t, self.models, stop=True)]
+            pipelined = [t for t in passing if t[3] >= 2]
+            if one_stage is not None:  # one size down: a pipelined tile, else the larger one-stage one
+                return choose(pipelined or one_stage)
+            if pipelined:
+                return choose(passing)
             if passing:
-                chosen = min(passing, key=lambda t: (t[3] < 2, self.max_regs(t), -t[3], t[2]))
-                return self.report(chosen, start=start, passing=passing)
+                one_stage = passing
+        if one_stage is not None:
+            return choose(one_stage)
         # nothing passes: the least-spilling tile whose plain kernel passes
         # once some tile with the arch's MMA is spill-free everywhere, a tile stops at its first spill
         clean = False

@@ -50,6 +50,24 @@ def test_a_pipelined_tile_beats_one_stage_with_fewer_registers():
     assert tuple(r["tile"]) == (64, 64, 8, 3) and r["mma_level"] == 1
 
 
+def test_a_pipelined_tile_one_size_down_beats_a_one_stage_tile():
+    def fake(tile, model):  # one stage passes at 4096 per program, pipelined tiles from 2048 down
+        bm, bn, warps, stages = tile
+        area = bm * bn
+        passes = warps == 8 and (area <= 2048 or (area == 4096 and stages == 1))
+        return 100 + stages, 0 if passes else 96, 0
+    sweep = FakeSweep("fwd", "sm_80", 128, fake)
+    r = sweep.run()
+    assert r["tile"][0] * r["tile"][1] == 2048 and r["tile"][3] == 2
+    assert all(t[0] * t[1] >= 2048 for t in sweep.results)  # no further than one size down
+
+    def only_one_stage(tile, model):  # nothing pipelined passes one size down: the larger one-stage tile
+        bm, bn, warps, stages = tile
+        return 100, 0 if warps == 8 and stages == 1 and bm * bn <= 4096 else 96, 0
+    r = FakeSweep("fwd", "sm_80", 128, only_one_stage).run()
+    assert r["tile"][0] * r["tile"][1] == 4096 and r["tile"][3] == 1
+
+
 def test_no_spill_free_wgmma_tile_at_256_takes_a_spill_free_mma_sync_one():
     def fake(tile, model):  # sm_90: BLOCK_M < 64 is mma.sync alone (level 2), BLOCK_M >= 64 spills
         bm, bn, _, _ = tile
