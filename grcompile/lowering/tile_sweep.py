@@ -25,7 +25,8 @@ MMA is spill-free for all), and the least-spilling one is chosen: plain kernel s
 then the arch's tensor-core MMA in the PTX (a sm_90 tile on ``mma.sync`` alone is taken only when
 no ``wgmma`` tile keeps the plain kernel spill-free: d = 256), the fewest spilling score_mods, the
 fewest spilled bytes (summed), the arch's MMA alone over mixed (sm_90 ``wgmma`` + ``mma.sync``:
-a tl.dot with M < 64 stays on ``mma.sync``), larger tiles, pipelined ones, fewer registers. Such a choice is
+a tl.dot with M < 64 stays on ``mma.sync``), larger tiles (a one-stage tile counting as one size
+down), pipelined ones, fewer registers. Such a choice is
 printed as ``SPILLS`` and / or ``MMA`` (not only the arch's tensor-core instruction).
 """
 from __future__ import annotations
@@ -135,8 +136,10 @@ class Sweep:
             plain = res[PLAIN]["spill_bytes"] > 0 or bool(res[PLAIN]["hard"])
             spilling = [m for m in self.models if m not in res or res[m]["spill_bytes"]]
             level = max(r["mma_level"] for r in res.values())
+            # a one-stage tile counts as half its size: a pipelined tile one size down beats it, as above
+            size = t[0] * t[1] // (2 if t[3] < 2 else 1)
             return (any(r["hard"] for r in res.values()), plain, level == 2, len(spilling),
-                    sum(r["spill_bytes"] for r in res.values()), level, -t[0] * t[1], t[3] < 2, self.max_regs(t))
+                    sum(r["spill_bytes"] for r in res.values()), level, -size, t[3] < 2, self.max_regs(t))
         chosen = min(self.results, key=rank)
         return self.report(chosen, start=start, passing=[])
 

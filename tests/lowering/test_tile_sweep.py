@@ -67,6 +67,13 @@ def test_a_pipelined_tile_one_size_down_beats_a_one_stage_tile():
     r = FakeSweep("fwd", "sm_80", 128, only_one_stage).run()
     assert r["tile"][0] * r["tile"][1] == 4096 and r["tile"][3] == 1
 
+    def mixed(tile, model):  # nothing passes (mma.sync beside wgmma): the same one-size-down preference
+        bm, bn, warps, stages = tile
+        area = bm * bn
+        return 100, 0 if warps == 8 and (area <= 1024 or (area == 2048 and stages == 1)) else 96, 1
+    r = FakeSweep("bwd_kv", "sm_90", 128, mixed).run()
+    assert r["tile"][0] * r["tile"][1] == 1024 and r["tile"][3] >= 2 and r["mma_level"] == 1
+
 
 def test_no_spill_free_wgmma_tile_at_256_takes_a_spill_free_mma_sync_one():
     def fake(tile, model):  # sm_90: BLOCK_M < 64 is mma.sync alone (level 2), BLOCK_M >= 64 spills
