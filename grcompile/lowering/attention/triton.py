@@ -487,27 +487,22 @@ def _pad(d: int) -> int:
 # with M >= 64 (fwd / bwd_q: BLOCK_M; bwd_kv: BLOCK_M for q·kᵀ, do·vᵀ and BLOCK_N for dk, dv), else
 # on mma.sync; sm_80 has mma.sync alone: hence a table per arch.
 # Chosen by `python -m grcompile.lowering.tile_sweep --arch sm_80,sm_90 --bucket 64,128,256` (bf16,
-# every score_mod of aot_cases at width = bucket; the rule is in that module's docstring): no
-# spills and the arch's MMA alone where some tile has them, the most work per program (BM·BN),
-# then the fewest registers. Exceptions, all on sm_90:
-#   bwd_kv 64 / 128: no spill-free tile with wgmma for all four dots: q·kᵀ, do·vᵀ on mma.sync;
-#   bwd_q 128: no spill-free wgmma tile: the per-head time-bucket table spills 64 B (HSTU none);
-#   256 (all kernels): no wgmma tile keeps even the plain kernel spill-free: mma.sync tiles.
-# And on sm_80, bwd_kv 128: the table-gradient pre-sums made the swept 64 x 32 spill 40 B (HSTU);
-# 32 x 32 is spill-free for all four (64 x 32 with 1-2 stages and 32 x 64 were not).
-# Those sweeps compiled the integer arguments unspecialised; compiled as a launch specialises them
-# (2026-11-28, docs/lowering.md) five entries spilled and were re-swept: fwd sm_90 64 (64 x 64: HSTU
-# 168 B), bwd_q sm_80 128 (32 x 64: HSTU 16 B) and sm_80 256 (fwd: SASRec 32 B; bwd_kv: up to
-# 152 B; bwd_q: HSTU 32 B; bwd_kv's largest spill-free tiles there have one stage); bwd_kv sm_90
-# 64 (one stage) was re-swept for the pipelined preference; the others passed and were kept (the
-# sm_90 256 tiles stay on mma.sync, spill-free).
+# every score_mod of aot_cases at width = bucket, compiled as a launch specialises the integer
+# arguments; the rule is in that module's docstring): no spills and the arch's MMA alone where some
+# tile has them, the most work per program (BM·BN), a pipelined tile (a one-stage one counts as a
+# size smaller), then the fewest registers. Exceptions: on sm_90, bwd_kv 64 / 128 has no spill-free
+# tile with wgmma for all four dots (q·kᵀ, do·vᵀ or dk, dv stay on mma.sync), and at 256 no wgmma
+# tile keeps even the plain kernel spill-free (mma.sync tiles, all kernels).
+# Widths 64 and 128 and sm_80 bwd_kv 256 re-swept 2026-11-28 (docs/bench/tile-sweep-2026-11-28.json);
+# the other 256 entries were re-swept or checked spill-free as launched the same day, not re-swept
+# under the one-size-down rule (their largest passing size has pipelined tiles on sm_80).
 GPU_TILES = {
-    "fwd": {"sm_80": {64: (32, 128, 8, 3), 128: (32, 64, 8, 3), 256: (16, 128, 8, 2)},
-            "sm_90": {64: (128, 32, 8, 2), 128: (64, 32, 8, 2), 256: (16, 64, 8, 3)}},
-    "bwd_kv": {"sm_80": {64: (64, 32, 8, 3), 128: (32, 32, 8, 3), 256: (16, 64, 8, 1)},
-               "sm_90": {64: (128, 16, 8, 3), 128: (16, 64, 8, 3), 256: (16, 32, 8, 2)}},
-    "bwd_q": {"sm_80": {64: (32, 128, 8, 3), 128: (32, 128, 8, 2), 256: (64, 32, 8, 2)},
-              "sm_90": {64: (128, 32, 8, 3), 128: (64, 16, 8, 2), 256: (16, 64, 8, 2)}},
+    "fwd": {"sm_80": {64: (32, 128, 8, 2), 128: (32, 64, 8, 2), 256: (16, 128, 8, 2)},
+            "sm_90": {64: (128, 32, 8, 2), 128: (128, 32, 8, 2), 256: (16, 64, 8, 3)}},
+    "bwd_kv": {"sm_80": {64: (64, 32, 8, 3), 128: (32, 64, 8, 3), 256: (16, 32, 8, 2)},
+               "sm_90": {64: (128, 16, 8, 3), 128: (64, 16, 8, 2), 256: (16, 32, 8, 2)}},
+    "bwd_q": {"sm_80": {64: (32, 128, 8, 2), 128: (32, 128, 8, 2), 256: (64, 32, 8, 2)},
+              "sm_90": {64: (128, 32, 8, 2), 128: (128, 32, 8, 2), 256: (16, 64, 8, 2)}},
 }
 HEAD_BUCKETS = (64, 128, 256)
 # Tiles timed natively on an H100 (Triton 3.6, bf16, one 8192-token row, 4 heads x 128; 2026-11-24,
