@@ -375,7 +375,9 @@ def test_trainer_pipelines_and_balanced_ranks_train_like_sync():
     results = run_on_ranks(_trainer_worker, 2, jobs)[0]
     for key in ("fwp", "dbp+fwp"):
         assert results[key]["pipeline"]["running"].startswith(key) and results[key]["pipeline"]["reason"] is None
-        assert_same_training(results[key], results["sync"])
+        # micro-batches and cost-balanced slices sum each gradient in another order (float32): up to
+        # 1.7e-5 on an item table of largest weight 0.30 after 20 Adagrad steps (AVX-512 machine)
+        assert_same_training(results[key], results["sync"], table_atol_of_scale=1e-4)
 
 
 def test_trainer_says_why_a_pipeline_is_declined():
