@@ -490,19 +490,19 @@ def _pad(d: int) -> int:
 # every score_mod of aot_cases at width = bucket, compiled as a launch specialises the integer
 # arguments; the rule is in that module's docstring): no spills and the arch's MMA alone where some
 # tile has them, the most work per program (BM·BN), a pipelined tile (a one-stage one counts as a
-# size smaller), then the fewest registers. Exceptions: on sm_90, bwd_kv 64 / 128 has no spill-free
-# tile with wgmma for all four dots (q·kᵀ, do·vᵀ or dk, dv stay on mma.sync), and at 256 no wgmma
-# tile keeps even the plain kernel spill-free (mma.sync tiles, all kernels).
-# Widths 64 and 128 and sm_80 bwd_kv 256 re-swept 2026-11-28 (docs/bench/tile-sweep-2026-11-28.json);
-# the other 256 entries were re-swept or checked spill-free as launched the same day, not re-swept
-# under the one-size-down rule (their largest passing size has pipelined tiles on sm_80).
+# size smaller), then the fewest registers. Exceptions, on sm_90: bwd_kv 64 / 128 has no spill-free
+# tile with wgmma for all four dots (q·kᵀ, do·vᵀ or dk, dv stay on mma.sync); bwd_kv 256 keeps the
+# spill-free 16 x 32 on mma.sync alone, where the rule would take 16 x 64 x 1 stage (wgmma for dk, dv;
+# the bias tables spill 32-40 B). All entries re-swept as launched on 2026-11-28
+# (docs/bench/tile-sweep-2026-11-28.json) but sm_80 fwd / bwd_q 256, re-swept that day before the
+# one-size-down rule (their largest passing size has pipelined tiles, so it changes nothing there).
 GPU_TILES = {
     "fwd": {"sm_80": {64: (32, 128, 8, 2), 128: (32, 64, 8, 2), 256: (16, 128, 8, 2)},
-            "sm_90": {64: (128, 32, 8, 2), 128: (128, 32, 8, 2), 256: (16, 64, 8, 3)}},
+            "sm_90": {64: (128, 32, 8, 2), 128: (128, 32, 8, 2), 256: (64, 32, 8, 2)}},
     "bwd_kv": {"sm_80": {64: (64, 32, 8, 3), 128: (32, 64, 8, 3), 256: (16, 32, 8, 2)},
                "sm_90": {64: (128, 16, 8, 3), 128: (64, 16, 8, 2), 256: (16, 32, 8, 2)}},
     "bwd_q": {"sm_80": {64: (32, 128, 8, 2), 128: (32, 128, 8, 2), 256: (64, 32, 8, 2)},
-              "sm_90": {64: (128, 32, 8, 2), 128: (128, 32, 8, 2), 256: (16, 64, 8, 2)}},
+              "sm_90": {64: (128, 32, 8, 2), 128: (128, 32, 8, 2), 256: (128, 16, 8, 2)}},
 }
 HEAD_BUCKETS = (64, 128, 256)
 # Tiles timed natively on an H100 (Triton 3.6, bf16, one 8192-token row, 4 heads x 128; 2026-11-24,
