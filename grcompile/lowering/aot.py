@@ -14,7 +14,10 @@ cubin, all on the CPU), and its resources are read back:
   against the architecture's per-block limit (Triton only checks that when it loads the kernel);
 - tensor cores: the architecture's own MMA instruction in the PTX (``mma.sync`` on sm_80,
   ``wgmma`` on sm_90: a Hopper kernel that falls back to ``mma.sync`` runs at about half the
-  tensor-core peak and is reported as not using them).
+  tensor-core peak and is reported as not using them);
+- machine code: ``nvdisasm`` on the cubin — the kernel's instruction count and the body size of
+  each loop carrying an MMA (``mma_loop_instructions``, :mod:`.sass`): the instructions every warp
+  issues per tile beside its matrix multiplies, reported, not judged.
 
 A provider is ``"module:function"``; the function returns a list of dicts with the keys
 ``kernel`` (name), ``fn`` (a ``@triton.jit`` function), ``signature`` (argument → Triton type,
@@ -59,6 +62,8 @@ import traceback
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence
+
+from .sass import disassemble, instructions, mma_loops
 
 PROVIDERS = [
     "grcompile.lowering.norm.triton:aot_configs",
@@ -147,7 +152,8 @@ def _empty_record(**fields: Any) -> dict[str, Any]:
               "spill_store_bytes": None, "spill_load_bytes": None, "stack_bytes": None,
               "shared_bytes": None, "num_warps": None, "num_stages": None, "tensor_cores": False,
               "mma": [], "uses_dot": None, "ttir_has_dot": None, "compile_seconds": None,
-              "ptxas_seconds": None, "cache_hit": None, "specialized": {}, "global_loads": {}, "occupancy": None, "notes": [], "failures": []}
+              "ptxas_seconds": None, "cache_hit": None, "specialized": {}, "global_loads": {}, "occupancy": None,
+              "sass_instructions": None, "mma_loop_instructions": None, "notes": [], "failures": []}
     record.update(fields)
     return record
 
@@ -234,6 +240,7 @@ def compile_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         record.update(ptxas_resources(ptx, cc, kernel.metadata))
         record["ptxas_seconds"] = round(time.perf_counter() - start, 3)
         record["occupancy"] = blocks_per_sm(cc, record["registers"], record["shared_bytes"], record["num_warps"])
+        _add_sass(record, kernel.asm["cubin"])
         cubin_regs = cubin_registers(kernel.asm["cubin"])
         if cubin_regs is not None and cubin_regs != record["registers"]:
             record["notes"].append(f"ptxas -v re-run reports {record['registers']} registers, "
@@ -241,6 +248,14 @@ def compile_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     except Exception as e:
         record["error"] = f"ptxas -v: {_one_line(e)}"
     return _judge(record)
+
+
+def _add_sass(record: dict[str, Any], cubin: bytes) -> None:
+    """The kernel's instruction count and the size of its MMA loops' bodies (see :mod:`.sass`)."""
+    sass = disassemble(cubin)
+    if sass is not None:
+        record["sass_instructions"] = len(instructions(sass)[0])
+        record["mma_loop_instructions"] = [loop["instructions"] for loop in mma_loops(sass)]
 
 
 # ld.global and its qualified forms (ld.volatile.global, ld.relaxed.gpu.global, ld.global.nc.L1::...)
@@ -438,6 +453,9 @@ def cache_records(cache_dir: str, kernels: Optional[str] = None) -> list[dict[st
         record["ttir_has_dot"] = bool(re.search(r"\btt\.dot\b|\btt\.dot_scaled\b", ttir)) if ttir else None
         record["uses_dot"] = record["ttir_has_dot"]
         record["global_loads"] = global_loads(ptx)
+        cubin_path = meta_path.with_suffix(".cubin")
+        if cubin_path.exists():
+            _add_sass(record, cubin_path.read_bytes())
         try:
             record.update(ptxas_resources(ptx, cc, SimpleNamespace(enable_fp_fusion=meta.get("enable_fp_fusion", True),
                                                                    ptx_options=meta.get("ptx_options"))))
@@ -622,7 +640,7 @@ def _short_loads(loads: dict[str, int]) -> str:
 def format_table(records: list[dict[str, Any]]) -> str:
     """A fixed-width table: one line per record, failures spelled out underneath."""
     header = ("kernel", "config", "arch", "ok", "regs", "spill", "stack", "smem", "warps", "stages",
-              "mma", "dot", "loads", "warps/SM", "secs")
+              "mma", "dot", "loads", "warps/SM", "loop", "secs")
     rows = []
     for r in records:
         def num(v: Any) -> str:
@@ -634,6 +652,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
                      "-" if r["uses_dot"] is None else ("yes" if r["uses_dot"] else "no"),
                      _short_loads(r.get("global_loads") or {}),
                      (lambda o: f"{o['warps']} ({o['limit'][:4]})" if o else "-")(r.get("occupancy")),
+                     "+".join(map(str, r.get("mma_loop_instructions") or [])) or "-",
                      "-" if r["compile_seconds"] is None
                      else f"{r['compile_seconds']:.2f}" + ("*" if r["cache_hit"] else "")))
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]

@@ -43,13 +43,14 @@ def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
     entries = []
     cuda = torch.device("cuda")
     for key, calls in sorted(seen.items(), key=lambda kv: -kv[1]):
-        score_mod, activation, causal, use_qk, dropout, dtype, dqk, dv, q_dtypes, k_dtypes, table_meta = key
+        score_mod, activation, causal, use_qk, dropout, dtype, dqk, dv, q_dtypes, k_dtypes, table_meta, \
+            (max_len, heads) = key
         q_sides, k_sides = _examples(q_dtypes), _examples(k_dtypes)
         tables = _examples(None, table_meta)
         config = dict(score_mod=score_mod.split("-")[0] or "none", activation=activation, causal=causal,
                       dropout=dropout, dtype=str(dtype).removeprefix("torch."), dqk=dqk, dv=dv, calls=calls)
         variant = Variant(score_mod, activation, causal, use_qk, dropout, tuple(q_dtypes), tuple(k_dtypes),
-                          tuple((len(shape), d) for shape, d in table_meta))
+                          tuple((tuple(shape), d) for shape, d in table_meta))
         try:
             module, code = kernels_for(variant, q_sides, k_sides, tables)
         except Unsupported as why:
@@ -67,7 +68,8 @@ def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
                     signature=_kernel_signature(fn, kernel_dtype, q_sides, k_sides, all_tables),
                     constexprs=dict(blocks, ACT=_ACT[activation], CAUSAL=causal, USE_QK=use_qk, DROPOUT=dropout,
                                     IEEE=int(kernel_dtype == torch.float32), OOB_ROWS=arch == "sm_80",
-                                    SPLIT=split_interior(bool(score_mod))),
+                                    SPLIT=split_interior(bool(score_mod)),
+                                    GUARDS=code.guard_bits(max_len, heads) if code else 0),
                     num_warps=warps, num_stages=stages, uses_dot=kernel_dtype != torch.float32,
                     config=dict(config, tiles=tile_source(kernel, arch, _bucket(max(dqk, dv)), plain))))
     return entries

@@ -69,10 +69,11 @@ def _score_mod_attention_dense(q, k, v, valid, q_sides, k_sides, tables, seed, s
     """Pack, run ``jagged_attention`` (whose kernel the device picks), scatter back: the op is a
     composite, so its only implementation is this one on every backend."""
     index, qj, kj, vj, offsets, positions, qs, ks = _packed(q, k, v, valid, q_sides, k_sides)
+    kwargs = _kwargs(q, valid, score_mod, normalize, causal, dropout_p)
     note_variant(qj, vj, qs, ks, tables, score_mod=score_mod, activation=_ACTIVATION[normalize], causal=causal,
-                 use_qk=q is not None, dropout_p=dropout_p)
+                 use_qk=q is not None, dropout_p=dropout_p, max_len=kwargs["max_len"])
     out = lookup("jagged_attention", v.device.type)(qj, kj, vj, offsets, positions, qs, ks, list(tables), seed,
-                                                    **_kwargs(q, valid, score_mod, normalize, causal, dropout_p))
+                                                    **kwargs)
     B, N = valid.shape
     return jagged_to_dense(out, index, B, N)
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .score_mod import ScoreMod
+from .score_mod_ranges import propagate
 
 _HEADS, _LQ, _LK = 2, 3, 5  # distinct example sizes: a node's shape names the axes it varies along
 
@@ -81,6 +82,37 @@ class ScoreModCode:
     float_tables: list[int] = field(default_factory=list)  # indices of tables that receive gradients
     float_q_sides: list[int] = field(default_factory=list)
     float_k_sides: list[int] = field(default_factory=list)
+    # table lookups whose index the generator could not prove in range: each dropped guard is a
+    # bit of the kernels' constexpr GUARDS, set at launch by :meth:`guard_bits`
+    guards: list["Guard"] = field(default_factory=list)
+    runtime_ranges: Optional[Callable[[int, int], dict]] = None  # (max_len, heads) -> node intervals
+    _bits: dict = field(default_factory=dict)
+
+    def guard_bits(self, max_len: int, heads: int) -> int:
+        """The kernels' ``GUARDS`` for a launch with positions in ``[0, max_len)`` (the kernels
+        clamp them there) and ``heads`` heads: the bits of the wraps and bounds checks the launch's
+        ranges do not prove unnecessary."""
+        key = (max_len, heads)
+        if key not in self._bits:
+            ranges = self.runtime_ranges(max_len, heads) if self.guards else {}
+            self._bits[key] = sum(1 << g.bit for g in self.guards if not g.proven(ranges))
+        return self._bits[key]
+
+
+@dataclass(frozen=True)
+class Guard:
+    """One bit of ``GUARDS``: the wrap of negative indices along one table axis (``"wrap"``), or a
+    lookup's bounds check with its out-of-range flag (``"check"``, over all its axes)."""
+    bit: int
+    kind: str
+    index: tuple  # the index nodes, one per table axis the guard covers
+    sizes: tuple  # the table's size along those axes
+
+    def proven(self, ranges: dict) -> bool:
+        intervals = [ranges.get(i) for i in self.index]
+        if self.kind == "wrap":
+            return all(iv is not None and iv[0] >= 0 for iv in intervals)
+        return all(iv is not None and -n <= iv[0] and iv[1] < n for iv, n in zip(intervals, self.sizes))
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,6 +247,7 @@ class _Gen:
         fixed += [(f"qs{i}", d, {"q"}) for i, d in enumerate(self.side_dtypes[0])]
         fixed += [(f"ks{i}", d, {"k"}) for i, d in enumerate(self.side_dtypes[1])]
         bounds = {"q_pos": (0, POSITION_BOUND), "k_pos": (0, POSITION_BOUND), "head": (0, HEAD_BOUND)}
+        self.bounded = {expr: node for node, (expr, _, _) in zip(ph, fixed) if expr in bounds}
         for node, (expr, dtype, roles) in zip(ph, fixed):
             if dtype == torch.bool:  # bool tensors reach the kernel as uint8
                 expr = f"({expr} != 0)"
@@ -248,8 +281,16 @@ class _Gen:
             return Value(repr(a), None, frozenset())
         raise Unsupported(f"an argument of type {type(a).__name__} inside the score_mod")
 
+    def input_ranges(self, positions: tuple[int, int], heads: tuple[int, int]) -> dict:
+        """Every node's interval with positions and the head index in these ranges (the score and
+        float sides unknown, integer sides their dtype's whole range)."""
+        given = {"q_pos": positions, "k_pos": positions, "head": heads}
+        return propagate(self.gm, self.metas, {node: given[expr] for expr, node in self.bounded.items()})
+
     def run(self) -> Value:
         self.placeholders()
+        self.ranges = self.input_ranges((0, POSITION_BOUND), (0, HEAD_BOUND))
+        self.code.runtime_ranges = lambda max_len, heads: self.input_ranges((0, max_len - 1), (0, heads - 1))
         out = None
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
@@ -289,25 +330,30 @@ class _Gen:
             raise Unsupported(f"{_where(node)} is not an op the Triton score_mod generator knows")
         meta = self.metas[node]
         roles = _roles(node, meta)
-        self.interval = _interval(node, self._intervals(node))
+        self.interval = self.ranges.get(node)
         # an int op whose result is not proven to fit int32 computes in int64 (operands widened)
         self.wide = isinstance(meta, torch.Tensor) and meta.dtype == torch.int64 and not (
             self.interval is not None and _INT32[0] <= self.interval[0] and self.interval[1] <= _INT32[1])
         return handler(self, node, roles)
 
-    def _intervals(self, node: fx.Node) -> list:
-        """The interval of each positional argument (constants exact, unknown values None)."""
-        out = []
-        for a in (*node.args, *node.kwargs.values()):
-            if isinstance(a, fx.Node) and a in self.values:
-                out.append(self.values[a].interval)
-            elif isinstance(a, bool):
-                out.append((int(a), int(a)))
-            elif isinstance(a, int):
-                out.append((a, a))
-            else:
-                out.append(None)
-        return out
+    def guarded(self, guard: Guard, roles: frozenset, lines: list[str], otherwise: list[str] = ()) -> None:
+        """Emit ``lines`` (a wrap or a bounds check) unless this graph's static ranges prove them
+        unnecessary (then ``otherwise``). A per-program lookup (no roles) keeps them: they cost one
+        scalar, and its mask must stay a tensor. Else, unless proven, they run under a bit of the
+        constexpr ``GUARDS``, which the launch clears where its own ranges prove them unnecessary."""
+        if roles and guard.proven(self.ranges):
+            self.lines.extend(otherwise)
+            return
+        if not roles:
+            self.lines.extend(lines)
+            return
+        guard = Guard(len(self.code.guards), guard.kind, guard.index, guard.sizes)
+        self.code.guards.append(guard)
+        self.lines.append(f"if (GUARDS >> {guard.bit}) & 1:")
+        self.lines.extend("    " + line for line in lines)
+        if otherwise:
+            self.lines.append("else:")
+            self.lines.extend("    " + line for line in otherwise)
 
     def lookup(self, node: fx.Node, roles: frozenset) -> Value:
         table, index = node.args
@@ -329,18 +375,18 @@ class _Gen:
             # int32 offsets when the index is proven small (the launcher checks every table has < 2**31 entries)
             fits = v.interval is not None and -(1 << 30) <= v.interval[0] and v.interval[1] < (1 << 30)
             self.lines.append(f"{w} = {v.expr}.to({'tl.int32' if fits else 'tl.int64'})")
-            self.lines.append(f"{w} = tl.where({w} < 0, {w} + tab{slot}_n{d}, {w})")
+            self.guarded(Guard(0, "wrap", (i,), (shape[d],)), roles, [f"{w} = tl.where({w} < 0, {w} + tab{slot}_n{d}, {w})"])
             ok.append(f"({w} >= 0) & ({w} < tab{slot}_n{d})")
             offset.append(f"{w} * tab{slot}_s{d}")
         off, inb = self.fresh("off"), self.fresh("inb")
         self.lines.append(f"{off} = {' + '.join(offset)}")
-        self.lines.append(f"{inb} = {' & '.join(ok)}")
         # flags per pair, or per query row under OOB_ROWS; the kernel reduces them after its loop
         bad = f"({role_mask(roles, f'{inb} == 0')}).to(tl.int32)"
-        self.lines.append(f"oob = oob | (tl.max({bad} + tl.zeros([BLOCK_M, BLOCK_N], tl.int32), 1) if OOB_ROWS "
-                          f"else {bad})")
         # "!= 0": the interpreter turns a 0-d bool ANDed with a bool tile into int64
-        self.lines.append(f"{inb} = ({role_mask(roles, inb)}) != 0")
+        self.guarded(Guard(0, "check", index, shape), roles, [
+            f"{inb} = {' & '.join(ok)}",
+            f"oob = oob | (tl.max({bad} + tl.zeros([BLOCK_M, BLOCK_N], tl.int32), 1) if OOB_ROWS else {bad})",
+            f"{inb} = ({role_mask(roles, inb)}) != 0"], otherwise=[f"{inb} = {role_mask(roles)}"])
         load = f"tl.load(tab{slot} + {off}, mask={inb}, other=0)"
         value = self.emit(f"{load} != 0" if self.metas[node].dtype == torch.bool else load, node, roles)
         value.lookup = (slot, off, inb)  # type: ignore[attr-defined]
@@ -393,48 +439,6 @@ def _clamp_bounds(node: fx.Node) -> tuple[Any, Any]:
     lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
     hi = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
     return lo, hi
-
-
-def _interval(node: fx.Node, args: list) -> Optional[tuple[int, int]]:
-    """A proven range of an integer op's result from its arguments' ranges, else None."""
-    name = _op_name(node)
-    a = args[0] if args else None
-    b = args[1] if len(args) > 1 else None
-    if name in ("add", "__radd__") and a and b:
-        return a[0] + b[0], a[1] + b[1]
-    if name == "sub" and a and b:
-        return a[0] - b[1], a[1] - b[0]
-    if name == "__rsub__" and a and b:
-        return b[0] - a[1], b[1] - a[0]
-    if name in ("mul", "__rmul__") and a and b:
-        products = [x * y for x in a for y in b]
-        return min(products), max(products)
-    if name == "neg" and a:
-        return -a[1], -a[0]
-    if name == "abs" and a:
-        lo = 0 if a[0] <= 0 <= a[1] else min(abs(a[0]), abs(a[1]))
-        return lo, max(abs(a[0]), abs(a[1]))
-    if name in ("clamp", "clip", "clamp_min", "clamp_max"):
-        lo, hi = _clamp_bounds(node)
-        lo = lo if isinstance(lo, int) and not isinstance(lo, bool) else None
-        hi = hi if isinstance(hi, int) and not isinstance(hi, bool) else None
-        if a is None:
-            return (lo, hi) if lo is not None and hi is not None else None
-        return max(a[0], lo) if lo is not None else a[0], min(a[1], hi) if hi is not None else a[1]
-    if name in ("minimum", "min") and a and b:
-        return min(a[0], b[0]), min(a[1], b[1])
-    if name in ("maximum", "max") and a and b:
-        return max(a[0], b[0]), max(a[1], b[1])
-    if name == "where" and len(args) > 2 and args[1] and args[2]:
-        return min(args[1][0], args[2][0]), max(args[1][1], args[2][1])
-    if name == "floordiv" and a and b and b[0] == b[1] and b[0] > 0:
-        return a[0] // b[0], a[1] // b[0]
-    if name in ("long", "int", "to", "type", "contiguous") and a:
-        return a  # an integer cast of an integer keeps its range (a float's range is unknown: a is None)
-    if name in ("lt", "le", "gt", "ge", "eq", "ne", "and_", "or_", "xor", "invert", "logical_and", "logical_or",
-                "logical_not", "bool"):
-        return 0, 1
-    return None
 
 
 def role_mask(roles: frozenset, condition: str = "") -> str:

@@ -158,9 +158,44 @@ def test_dot_kernel_uses_each_archs_tensor_cores(test_report):
 def test_pointwise_kernel_compiles_without_dot(test_report):
     for rec in _records(test_report[1], "silu").values():
         assert rec["compiled"] and rec["failures"] == [], rec
+        assert rec["mma_loop_instructions"] == [] and rec["sass_instructions"] > 0
         assert rec["uses_dot"] is False and rec["ttir_has_dot"] is False
         assert rec["mma"] == [] and rec["tensor_cores"] is False
         assert rec["spill_bytes"] == 0 and rec["stack_bytes"] == 0
+
+
+def test_the_matmul_loop_body_is_read_from_the_machine_code(test_report):
+    """K = 128 in BK = 32 steps: one loop carrying the MMAs (Triton keeps the K loop rolled)."""
+    for rec in _records(test_report[1], "tile_matmul").values():
+        (body,) = rec["mma_loop_instructions"]
+        assert 10 < body < rec["sass_instructions"], rec
+
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDS R2, [R3] ;
+        /*0020*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+.L_x_1:
+        /*0030*/              @!P0 FADD R5, R5, 1 ;
+        /*0040*/                   ISETP.GE.AND P0, PT, R5, 4, PT ;
+        /*0050*/               @P0 BRA `(.L_x_1) ;
+        /*0060*/                   IADD3 R3, R3, 0x10, RZ ;
+        /*0070*/                   BRA `(.L_x_0) ;
+        /*0080*/                   BRA `(.L_x_2) ;
+.L_x_2:
+        /*0090*/                   EXIT ;
+"""
+
+
+def test_mma_loops_are_the_backward_branches_around_an_mma():
+    from grcompile.lowering.sass import instructions, mma_loops
+    found, labels = instructions(SASS)
+    assert [op for _, op, _ in found] == ["MOV", "LDS", "HMMA", "FADD", "ISETP", "BRA", "IADD3", "BRA", "BRA", "EXIT"]
+    assert labels == {".L_x_0": 0x10, ".L_x_1": 0x30, ".L_x_2": 0x90}
+    # the inner loop has no MMA; the forward branch is no loop
+    (loop,) = mma_loops(SASS)
+    assert loop["instructions"] == 7 and loop["mix"]["HMMA"] == 1 and loop["mix"]["BRA"] == 2
 
 
 def test_failures_are_reported(test_report):

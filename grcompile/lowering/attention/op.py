@@ -61,7 +61,7 @@ def jagged_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offs
     # after the call, whose checks reject malformed arguments with a ValueError (recording first
     # read q.shape[2] of a rank-2 q: an IndexError instead)
     note_variant(q, v, q_side, k_side, tables, score_mod=score_mod, activation=activation, causal=causal,
-                 use_qk=use_qk, dropout_p=dropout_p)
+                 use_qk=use_qk, dropout_p=dropout_p, max_len=max_len)
     return out, lse
 
 
@@ -72,16 +72,16 @@ def lse_like(q: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 # (score_mod, activation, causal, use_qk, dropout, dtype, dqk, dv, q_side dtypes, k_side dtypes,
-# table (shape, dtype)s) -> calls: the attention variants this process ran, whatever the kernel
+# table (shape, dtype)s, (max_len, heads)) -> calls: the attention variants this process ran, whatever the kernel
 # (the bench compiles their Triton kernels ahead of time from this)
 SEEN_VARIANTS: dict[tuple, int] = {}
 
 
 def note_variant(q, v, q_side, k_side, tables, *, score_mod: str, activation: str, causal: bool, use_qk: bool,
-                 dropout_p: float) -> None:
+                 dropout_p: float, max_len: int) -> None:
     key = (score_mod, activation, causal, use_qk, dropout_p > 0, q.dtype, int(q.shape[2]), int(v.shape[2]),
            tuple(t.dtype for t in q_side), tuple(t.dtype for t in k_side),
-           tuple((tuple(int(n) for n in t.shape), t.dtype) for t in tables))
+           tuple((tuple(int(n) for n in t.shape), t.dtype) for t in tables), (int(max_len), int(q.shape[1])))
     SEEN_VARIANTS[key] = SEEN_VARIANTS.get(key, 0) + 1
 
 

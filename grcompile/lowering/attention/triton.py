@@ -112,15 +112,30 @@ def _dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b)
 '''
 
+# Positions as the kernels load them. With launch-dependent guards (GUARDS) clamped to [0,
+# max_len): what the forward validated, kept by construction, so that a table index proven in
+# range from max_len stays in range whatever a caller passes; without, loaded as they are.
+_LOAD_POSITIONS = {True: '''
+
+@triton.jit
+def _load_positions(POS, tok, ok, POS_MAX):
+    return tl.minimum(tl.maximum(tl.load(POS + tok, mask=ok, other=0).to(tl.int32), 0), POS_MAX)
+''', False: '''
+
+@triton.jit
+def _load_positions(POS, tok, ok, POS_MAX):
+    return tl.load(POS + tok, mask=ok, other=0).to(tl.int32)
+'''}
+
 _FWD = '''
 
 @triton.jit
 def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-        H, DQK, DV, scale, out_scale, keep_scale, threshold,
+        H, DQK, DV, scale, out_scale, keep_scale, threshold, POS_MAX,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
         ACT: tl.constexpr, CAUSAL: tl.constexpr, USE_QK: tl.constexpr, DROPOUT: tl.constexpr,
-        IEEE: tl.constexpr, OOB_ROWS: tl.constexpr, SPLIT: tl.constexpr):
+        IEEE: tl.constexpr, OOB_ROWS: tl.constexpr, SPLIT: tl.constexpr, GUARDS: tl.constexpr):
     pid_m = tl.program_id(0)
     row = tl.program_id(1)
     head = tl.program_id(2)
@@ -135,7 +150,7 @@ def fwd(Q, K, V, O, LSE, OFFS, POS, SEED, OOB, {extra_params}
     dqk = tl.arange(0, BLOCK_DQK)
     dv = tl.arange(0, BLOCK_DV)
     q = _load_tile(Q, q_tok, q_ok, stride_qt, head, stride_qh, dqk, DQK)
-    q_pos = tl.load(POS + q_tok, mask=q_ok, other=0).to(tl.int32)[:, None]
+    q_pos = _load_positions(POS, q_tok, q_ok, POS_MAX)[:, None]
 {load_q_sides}
     seed = tl.load(SEED) if DROPOUT else 0
     # out-of-range table indices: flags per pair (sm_90: cheapest) or per query row (sm_80: the
@@ -165,7 +180,7 @@ _FWD_TILE = '''\
         k_ok = {k_ok}
         k_tok = start + offs_n
         v = _load_tile(V, k_tok, k_ok, stride_vt, head, stride_vh, dv, DV)
-        k_pos = tl.load(POS + k_tok, mask=k_ok, other=0).to(tl.int32)[None, :]
+        k_pos = _load_positions(POS, k_tok, k_ok, POS_MAX)[None, :]
 {load_k_sides}
         PAIR = q_ok[:, None] & k_ok[None, :]
         QOK = q_ok[:, None]
@@ -200,7 +215,7 @@ _FWD_TILE = '''\
 _LOAD_QUERY_BLOCK = [
     "q = _load_tile(Q, q_tok, q_ok, stride_qt, head, stride_qh, dqk, DQK)",
     "do = _load_tile(DO, q_tok, q_ok, stride_ot, head, stride_oh, dv, DV)",
-    "q_pos = tl.load(POS + q_tok, mask=q_ok, other=0).to(tl.int32)[:, None]",
+    "q_pos = _load_positions(POS, q_tok, q_ok, POS_MAX)[:, None]",
     "if ACT == 2:",
     "    lse = tl.load(LSE + q_tok * H + head, mask=q_ok, other=float(\"inf\"))",
     "    delta = tl.load(DELTA + q_tok * H + head, mask=q_ok, other=0.0)",
@@ -242,10 +257,10 @@ _BWD_KV = '''
 @triton.jit
 def bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, OFFS, POS, SEED, {extra_params} {grad_params}
            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-           H, DQK, DV, scale, out_scale, keep_scale, threshold,
+           H, DQK, DV, scale, out_scale, keep_scale, threshold, POS_MAX,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
            ACT: tl.constexpr, CAUSAL: tl.constexpr, USE_QK: tl.constexpr, DROPOUT: tl.constexpr,
-           IEEE: tl.constexpr, OOB_ROWS: tl.constexpr, SPLIT: tl.constexpr):
+           IEEE: tl.constexpr, OOB_ROWS: tl.constexpr, SPLIT: tl.constexpr, GUARDS: tl.constexpr):
     pid_n = tl.program_id(0)
     row = tl.program_id(1)
     head = tl.program_id(2)
@@ -261,7 +276,7 @@ def bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, OFFS, POS, SEED, {extra_params} 
     dv = tl.arange(0, BLOCK_DV)
     k = _load_tile(K, k_tok, k_ok, stride_kt, head, stride_kh, dqk, DQK)
     v = _load_tile(V, k_tok, k_ok, stride_vt, head, stride_vh, dv, DV)
-    k_pos = tl.load(POS + k_tok, mask=k_ok, other=0).to(tl.int32)[None, :]
+    k_pos = _load_positions(POS, k_tok, k_ok, POS_MAX)[None, :]
 {load_k_sides}
     seed = tl.load(SEED) if DROPOUT else 0
     rep = (pid_n + row + head) % NREP  # table-gradient replica (a sum of small ids: no int32 overflow)
@@ -283,10 +298,10 @@ _BWD_Q = '''
 @triton.jit
 def bwd_q(Q, K, V, DO, LSE, DELTA, DQ, OFFS, POS, SEED, {extra_params} {grad_params}
           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-          H, DQK, DV, scale, out_scale, keep_scale, threshold,
+          H, DQK, DV, scale, out_scale, keep_scale, threshold, POS_MAX,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
           ACT: tl.constexpr, CAUSAL: tl.constexpr, USE_QK: tl.constexpr, DROPOUT: tl.constexpr,
-          IEEE: tl.constexpr, OOB_ROWS: tl.constexpr, SPLIT: tl.constexpr):
+          IEEE: tl.constexpr, OOB_ROWS: tl.constexpr, SPLIT: tl.constexpr, GUARDS: tl.constexpr):
     pid_m = tl.program_id(0)
     row = tl.program_id(1)
     head = tl.program_id(2)
@@ -331,7 +346,7 @@ _BWD_Q_TILE = '''\
         k_tok = start + offs_n
         k = _load_tile(K, k_tok, k_ok, stride_kt, head, stride_kh, dqk, DQK)
         v = _load_tile(V, k_tok, k_ok, stride_vt, head, stride_vh, dv, DV)
-        k_pos = tl.load(POS + k_tok, mask=k_ok, other=0).to(tl.int32)[None, :]
+        k_pos = _load_positions(POS, k_tok, k_ok, POS_MAX)[None, :]
 {load_k_sides_inner}
 {pair}
         if USE_QK:
@@ -376,7 +391,7 @@ class Variant:
     dropout: bool
     q_sides: tuple  # dtypes
     k_sides: tuple
-    tables: tuple  # (rank, dtype) per table
+    tables: tuple  # (shape, dtype) per table: the generated code drops the lookups' guards the sizes prove
 
 
 def _render(code: Optional[ScoreModCode], n_q: int, n_k: int, table_ranks: list[int]) -> str:
@@ -410,7 +425,7 @@ def _render(code: Optional[ScoreModCode], n_q: int, n_k: int, table_ranks: list[
         return {f"pair_{kind}": _BWD_PAIR.format(score_mod=sm, score_mod_backward=backward_lines, allowed=allowed)
                 for kind, allowed in (("interior", "PAIR"), ("edge", _MASKED))}
     key_blocks = [("0, full", True), ("full, hi", False)]  # fwd, bwd_q: see `full` in their source
-    src = _HEADER
+    src = _HEADER + _LOAD_POSITIONS[bool(code and code.guards)]
     src += _FWD.format(extra_params=extra_params, load_q_sides=load_q, loops=_block_loops(
         _FWD_TILE, "n0", key_blocks, "0, hi", allowed_interior="PAIR", allowed_edge=_MASKED, load_k_sides=load_k,
         score_mod=sm))
@@ -571,7 +586,7 @@ def _side_args(q_side, k_side, tables) -> list:
 
 def _variant(q, q_side, k_side, tables, score_mod, activation, causal, use_qk, dropout) -> Variant:
     return Variant(score_mod, activation, causal, use_qk, dropout, tuple(t.dtype for t in q_side),
-                   tuple(t.dtype for t in k_side), tuple((t.dim(), t.dtype) for t in tables))
+                   tuple(t.dtype for t in k_side), tuple((tuple(t.shape), t.dtype) for t in tables))
 
 
 def _check_supported(q: torch.Tensor, v: torch.Tensor, tables, max_len: int) -> None:
@@ -601,7 +616,7 @@ def split_interior(has_score_mod: bool) -> bool:
 
 
 def _common(q, k, v, offsets, positions, seed, *, activation, causal, use_qk, scale, out_scale, dropout_p,
-            split=False):
+            max_len, code=None, split=False):
     H = q.shape[1]
     threshold = round(dropout_p * (1 << 24))
     seed_t = seed if seed is not None else torch.zeros(1, dtype=torch.int64, device=q.device)
@@ -609,7 +624,8 @@ def _common(q, k, v, offsets, positions, seed, *, activation, causal, use_qk, sc
                 keep_scale=1.0 / (1.0 - dropout_p) if dropout_p > 0 else 1.0, threshold=threshold,
                 ACT=_ACT[activation], CAUSAL=causal, USE_QK=use_qk, DROPOUT=dropout_p > 0,
                 IEEE=2 if q.device.type == "cpu" else int(q.dtype == torch.float32),
-                OOB_ROWS=q.device.type == "cuda" and gpu_arch(q.device) == "sm_80", SPLIT=split), seed_t
+                OOB_ROWS=q.device.type == "cuda" and gpu_arch(q.device) == "sm_80", SPLIT=split,
+                POS_MAX=max_len - 1, GUARDS=code.guard_bits(max_len, H) if code else 0), seed_t
 
 
 TABLE_GRAD_REPLICAS = int(os.environ.get("GRCOMPILE_TABLE_GRAD_REPLICAS", "32"))  # at most; see table_grad_lines
@@ -672,7 +688,7 @@ def _tunes(kernel: str, device: torch.device) -> bool:
 
 
 # the constexprs a generated module is compiled with besides its tile: each its own tuning key
-_VARIANT_CONSTEXPRS = ("ACT", "CAUSAL", "USE_QK", "DROPOUT", "IEEE", "OOB_ROWS", "SPLIT")
+_VARIANT_CONSTEXPRS = ("ACT", "CAUSAL", "USE_QK", "DROPOUT", "IEEE", "OOB_ROWS", "SPLIT", "GUARDS")
 
 
 def _tune_key(module, kernel: str, meta: dict, dtype: torch.dtype, max_len: int) -> str:
@@ -776,7 +792,8 @@ def _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score
     lse = torch.empty((T, H) if activation == "softmax" else (0,), dtype=torch.float32, device=q.device)
     oob = torch.zeros(1, dtype=torch.int32, device=q.device)
     meta, seed_t = _common(q, k, v, offsets, positions, seed, activation=activation, causal=causal, use_qk=use_qk,
-                           scale=scale, out_scale=out_scale, dropout_p=dropout_p, split=split_interior(code is not None))
+                           scale=scale, out_scale=out_scale, dropout_p=dropout_p, max_len=max_len, code=code,
+                           split=split_interior(code is not None))
     B = offsets.shape[0] - 1
     if T and B:
         lse_arg = lse if lse.numel() else torch.empty(1, dtype=torch.float32, device=q.device)
@@ -859,7 +876,8 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
     dqs = {i: torch.zeros(T, H, dtype=torch.float32, device=q.device) for i in fq}
     dks = {i: torch.zeros(T, H, dtype=torch.float32, device=q.device) for i in fk}
     meta, seed_t = _common(q, k, v, offsets, positions, seed, activation=activation, causal=causal, use_qk=use_qk,
-                           scale=scale, out_scale=out_scale, dropout_p=dropout_p, split=split_interior(code is not None))
+                           scale=scale, out_scale=out_scale, dropout_p=dropout_p, max_len=max_len, code=code,
+                           split=split_interior(code is not None))
     plain = _is_plain(meta, code is not None)
     blocks_kv = launch_config("bwd_kv", q.shape[2], v.shape[2], q.device, plain=plain)[0]
     replicas = _table_grad_replicas([tables[i].numel() for i in ft],
@@ -970,6 +988,7 @@ def _aot_int_args(signature: dict, d: int, heads: int, dropout: bool, tables: li
     width = launch_width(d)
     values = {f"stride_{x}t": heads * width for x in "qkvo"} | {f"stride_{x}h": width for x in "qkvo"}
     values |= dict(H=heads, DQK=width, DV=width, threshold=round(0.1 * (1 << 24)) if dropout else 0,
+                   POS_MAX=AOT_TOKENS - 1,
                    NREP=_table_grad_replicas(float_table_numels, math.ceil(AOT_TOKENS / block_n) * heads))
     for i, t in enumerate(tables):
         values |= {f"tab{i}_n{j}": n for j, n in enumerate(t.shape)}
@@ -996,7 +1015,7 @@ def case_aot_config(case: tuple, kernel: str, arch: str, d: int, tile: Optional[
     tables)`` case (the shape of :func:`aot_cases`' values)."""
     key, activation, use_qk, dropout, q_sides, k_sides, tables = case
     variant = Variant(key, activation, True, use_qk, dropout, tuple(t.dtype for t in q_sides),
-                      tuple(t.dtype for t in k_sides), tuple((t.dim(), t.dtype) for t in tables))
+                      tuple(t.dtype for t in k_sides), tuple((tuple(t.shape), t.dtype) for t in tables))
     module, code = kernels_for(variant, q_sides, k_sides, tables)
     all_tables = list(tables) + list(code.constants if code else [])
     plain = not key and not dropout
@@ -1005,7 +1024,8 @@ def case_aot_config(case: tuple, kernel: str, arch: str, d: int, tile: Optional[
     else:
         blocks, (warps, stages) = dict(BLOCK_M=tile[0], BLOCK_N=tile[1], BLOCK_DQK=_pad(d), BLOCK_DV=_pad(d)), tile[2:]
     constexprs = dict(blocks, ACT=_ACT[activation], CAUSAL=True, USE_QK=use_qk, DROPOUT=dropout, IEEE=0,
-                      OOB_ROWS=arch == "sm_80", SPLIT=split_interior(bool(key)))
+                      OOB_ROWS=arch == "sm_80", SPLIT=split_interior(bool(key)),
+                      GUARDS=code.guard_bits(AOT_TOKENS, heads) if code else 0)
     fn = getattr(module, kernel)
     signature = _kernel_signature(fn, torch.bfloat16, q_sides, k_sides, all_tables)
     float_tables = [all_tables[i].numel() for i in (code.float_tables if code else [])]

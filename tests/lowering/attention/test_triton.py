@@ -614,10 +614,28 @@ def test_a_remembered_tile_the_device_cannot_load_is_forgotten(monkeypatch):
     tuner = autotune.TileTuner(timer=lambda fn: pytest.fail("nothing is tuned: the choice is remembered"))
     monkeypatch.setattr(at, "_TUNERS", {"cpu": tuner})
     meta = dict(H=2, DQK=64, DV=64, ACT=1, CAUSAL=True, USE_QK=True, DROPOUT=False, IEEE=2, OOB_ROWS=False,
-                SPLIT=False)
+                SPLIT=False, GUARDS=0)
     key = at._tune_key(Module, "fwd", meta, torch.float32, 300)
     assert key != at._tune_key(Module, "fwd", dict(meta, ACT=2), torch.float32, 300)
     assert key != at._tune_key(Module, "fwd", dict(meta, CAUSAL=False), torch.float32, 300)
     tuner.chosen[key] = (dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DQK=64, BLOCK_DV=64), 4, 3)
     at._launch(Module, "fwd", meta, 300, 3, torch.zeros(4, 2, 64))
     assert key not in tuner.chosen and launched == [(16, 16)]  # the interpreter's table tile
+
+
+def test_lookups_proven_in_range_by_max_len_run_unguarded_and_longer_rows_stay_checked():
+    """The relative position lookup ``k - q + N - 1`` needs no wrap or bounds check when the
+    launch's max_len is at most N: the kernels run it without (GUARDS = 0), with the same values and
+    gradients. With a longer max_len the guards are back and a row that indexes past the table
+    raises as before."""
+    args, kwargs = _case([9, 0, 1, 9, 4], 2, 8, 8, "silu", True, 0.0, "position", 3)
+    _, code = at.kernels_for(at._variant(args[0], args[5], args[6], args[7], kwargs["score_mod"], "silu", True, True,
+                                         False), args[5], args[6], args[7])
+    assert code.guards and code.guard_bits(kwargs["max_len"], 2) == 0
+    _assert_match(args, kwargs)
+    longer, longer_kwargs = _case([12, 3], 2, 8, 8, "silu", True, 0.0, "none", 3)
+    longer = (*longer[:7], args[7], longer[8])
+    longer_kwargs["score_mod"] = kwargs["score_mod"]
+    assert code.guard_bits(longer_kwargs["max_len"], 2) != 0
+    with pytest.raises(ValueError, match="out of range"):
+        at.attention_triton(*longer, **longer_kwargs)
