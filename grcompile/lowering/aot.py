@@ -63,7 +63,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from .sass import disassemble, instructions, mma_loops
+from .sass import disassemble, instructions, mma_loops, run_on_cubin
 
 PROVIDERS = [
     "grcompile.lowering.norm.triton:aot_configs",
@@ -319,11 +319,6 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
-def _tool(name: str) -> str:
-    import triton.backends.nvidia as nvidia
-    return str(Path(nvidia.__file__).parent / "bin" / name)
-
-
 def ptxas_command(cc: int, metadata: Any) -> list[str]:
     """The ``ptxas`` command Triton 3.9 runs for the cubin (``make_cubin``), output file excluded."""
     from triton import knobs
@@ -362,13 +357,9 @@ def ptxas_resources(ptx: str, cc: int, metadata: Any) -> dict[str, int]:
 def cubin_registers(cubin: bytes) -> Optional[int]:
     """Registers of the (single) kernel in ``cubin``, by ``cuobjdump --dump-resource-usage``;
     ``None`` when cuobjdump is absent or prints no ``REG:`` field."""
-    tool = _tool("cuobjdump")
-    if not os.path.exists(tool):
+    done = run_on_cubin("cuobjdump", ["--dump-resource-usage"], cubin, timeout=120)
+    if done is None:
         return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        done = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, timeout=120)
     found = re.findall(r"\bREG:(\d+)", done.stdout)
     return int(found[0]) if len(found) == 1 else None
 

@@ -33,14 +33,14 @@ def _examples(dtypes, shapes=None) -> list[torch.Tensor]:
 
 
 def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
-    """One spec entry per (variant, kernel, arch) of ``seen`` (``attention.SEEN_VARIANTS``); a
+    """One spec entry per (variant, kernel, arch, GUARDS) of ``seen`` (``attention.SEEN_VARIANTS``); a
     variant the kernels cannot run (its score_mod has an op the generator does not know) gets an
     entry with ``error`` instead."""
     from .attention.triton import (Variant, _bucket, _kernel_signature, kernels_for, launch_config, split_interior,
                                     tile_source, _ACT)
     from .score_mod_codegen import Unsupported
 
-    entries = []
+    entries, compiled = [], {}  # compiled: (module, kernel, arch, dtype, widths, GUARDS) -> its entry
     cuda = torch.device("cuda")
     for key, calls in sorted(seen.items(), key=lambda kv: -kv[1]):
         score_mod, activation, causal, use_qk, dropout, dtype, dqk, dv, q_dtypes, k_dtypes, table_meta, \
@@ -60,7 +60,12 @@ def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
         for kernel in ("fwd", "bwd_kv", "bwd_q") if use_qk else ("fwd", "bwd_kv"):
             fn = getattr(module, kernel)
             kernel_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+            guards = code.guard_bits(max_len, heads) if code else 0
             for arch in archs:
+                same = compiled.get((module.__file__, kernel, arch, dtype, dqk, dv, guards))
+                if same is not None:  # another max_len or head count with the same kernel: count its calls
+                    same["config"]["calls"] += calls
+                    continue
                 plain = not score_mod and not dropout
                 blocks, warps, stages = launch_config(kernel, dqk, dv, cuda, arch=arch, plain=plain)
                 entries.append(dict(
@@ -69,9 +74,10 @@ def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
                     constexprs=dict(blocks, ACT=_ACT[activation], CAUSAL=causal, USE_QK=use_qk, DROPOUT=dropout,
                                     IEEE=int(kernel_dtype == torch.float32), OOB_ROWS=arch == "sm_80",
                                     SPLIT=split_interior(bool(score_mod)),
-                                    GUARDS=code.guard_bits(max_len, heads) if code else 0),
+                                    GUARDS=guards),
                     num_warps=warps, num_stages=stages, uses_dot=kernel_dtype != torch.float32,
                     config=dict(config, tiles=tile_source(kernel, arch, _bucket(max(dqk, dv)), plain))))
+                compiled[(module.__file__, kernel, arch, dtype, dqk, dv, guards)] = entries[-1]
     return entries
 
 

@@ -27,21 +27,27 @@ _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 
 
-def nvdisasm() -> str:
+def cuda_tool(name: str) -> str:
+    """The path of one of the CUDA tools Triton's wheel ships (ptxas, cuobjdump, nvdisasm)."""
     import triton.backends.nvidia as nvidia
-    return str(Path(nvidia.__file__).parent / "bin" / "nvdisasm")
+    return str(Path(nvidia.__file__).parent / "bin" / name)
 
 
-def disassemble(cubin: bytes) -> Optional[str]:
-    """SASS text of ``cubin``; None when ``nvdisasm`` is absent or fails."""
-    tool = nvdisasm()
-    if not os.path.exists(tool):
+def run_on_cubin(tool: str, args: list[str], cubin: bytes, timeout: int = 300) -> Optional[subprocess.CompletedProcess]:
+    """``tool *args FILE`` on ``cubin`` written to a temporary file; None when the tool is absent."""
+    path = cuda_tool(tool)
+    if not os.path.exists(path):
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        done = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, timeout=300)
-    return done.stdout if done.returncode == 0 else None
+        return subprocess.run([path, *args, f.name], capture_output=True, text=True, timeout=timeout)
+
+
+def disassemble(cubin: bytes) -> Optional[str]:
+    """SASS text of ``cubin``; None when ``nvdisasm`` is absent or fails."""
+    done = run_on_cubin("nvdisasm", ["-c"], cubin)
+    return done.stdout if done is not None and done.returncode == 0 else None
 
 
 def instructions(sass: str) -> tuple[list[tuple[int, str, str]], dict[str, int]]:
@@ -76,4 +82,4 @@ def mma_loops(sass: str) -> list[dict]:
     return [{k: v for k, v in loop.items() if k != "start"} for loop in sorted(loops, key=lambda x: x["start"])]
 
 
-__all__ = ["disassemble", "instructions", "mma_loops", "nvdisasm"]
+__all__ = ["cuda_tool", "disassemble", "instructions", "mma_loops", "run_on_cubin"]

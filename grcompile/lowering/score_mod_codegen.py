@@ -39,8 +39,12 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .score_mod import ScoreMod
-from .score_mod_ranges import propagate
+from .score_mod_ranges import constant_wraps, propagate
 
+# keyword arguments the handlers read (clamp bounds, a division's rounding, masked_fill's value,
+# a cast's dtype) or that do not change a value (where a tensor lives, how it is laid out)
+_KNOWN_KWARGS = {"min", "max", "rounding_mode", "value", "dtype", "device", "layout", "memory_format", "copy",
+                 "non_blocking", "requires_grad", "pin_memory"}
 _HEADS, _LQ, _LK = 2, 3, 5  # distinct example sizes: a node's shape names the axes it varies along
 
 
@@ -328,6 +332,13 @@ class _Gen:
             handler = None
         if handler is None:
             raise Unsupported(f"{_where(node)} is not an op the Triton score_mod generator knows")
+        unknown = sorted(set(node.kwargs) - _KNOWN_KWARGS)
+        if unknown:  # e.g. add(x, y, alpha=2): generating it without would change the value
+            raise Unsupported(f"{_where(node)} has keyword arguments the generator does not model: {unknown}")
+        if constant_wraps(list(node.args), lambda a: self.metas[a].dtype if isinstance(self.metas.get(a), torch.Tensor)
+                          else None):
+            raise Unsupported(f"{_where(node)} uses an integer constant outside its tensor's dtype, which torch "
+                              "wraps into it")
         meta = self.metas[node]
         roles = _roles(node, meta)
         self.interval = self.ranges.get(node)
@@ -482,7 +493,7 @@ def _where_fn(gen: _Gen, node: fx.Node, roles):
 
 
 def _masked_fill(gen: _Gen, node: fx.Node, roles):
-    x, m, val = (gen.arg(a) for a in node.args[:3])
+    x, m, val = (gen.arg(a) for a in (*node.args[:2], node.args[2] if len(node.args) > 2 else node.kwargs["value"]))
     return gen.emit(f"tl.where({m.expr}, {val.expr}, {x.expr})", node, roles)
 
 
@@ -839,7 +850,13 @@ def generate(mod: ScoreMod, q_sides, k_sides, tables, *, backward: bool) -> Scor
             raise Unsupported(f"the score_mod could not be evaluated on example shapes "
                               f"({type(error).__name__}: {str(error)[:200]})") from None
     gen = _Gen(gm, metas, code, q_sides, k_sides, tables)
-    out = gen.run()
+    try:
+        out = gen.run()
+    except Unsupported:
+        raise
+    except Exception as error:  # noqa: BLE001 - a spelling the generator mishandles runs the reference
+        raise Unsupported(f"the Triton score_mod generator failed ({type(error).__name__}: {str(error)[:200]})") \
+            from None
     if out.dtype is not None and not out.dtype.is_floating_point:
         raise Unsupported(f"the score_mod returns {out.dtype}, not a floating score")
     expr = out.expr if out.roles == frozenset({"q", "k"}) else f"{out.expr} + tl.zeros_like(s)"

@@ -8,18 +8,26 @@ gather). A ``log``-bucketed time gap ``clamp((log(max(|Δt|, 1)) / 0.301).long()
 proven to be in ``[0, 128]`` whatever the timestamps are; a relative position ``k - q + N - 1`` is
 in ``[0, 2N - 2]`` once the launch knows positions are below ``N``.
 
-Semantics kept (a proof holds for the values the *kernel* computes, not only for exact math):
+A proof must hold for the values the *kernel* computes, not only for exact math:
 
 * integers follow their torch dtype: a result that may leave the dtype's range wraps, so its
-  interval is the whole dtype; an unknown integer input is the whole range of its dtype;
-* a float interval also proves the value is never NaN or infinite; every float result is widened
-  outward by a relative 2⁻¹⁶ (and 2⁻¹²⁶ absolute) to cover float32 rounding and the few ulps of
-  the kernel's transcendentals; any op that may produce NaN or overflow has no interval;
+  interval is the whole dtype (``|x|`` of an unknown int64 may be negative); an unknown integer
+  input is the whole range of its dtype;
+* a float interval also proves the value is never NaN or infinite. Every float value is bounded
+  as its dtype rounds it: an operand converted to the op's dtype (an integer beyond the dtype's
+  exact integers, a Python float constant) is widened by one ulp of that dtype, and every rounding
+  op's result by its error — correctly rounded arithmetic one ulp, division four (``div.full``),
+  transcendentals eight ulps plus 2⁻²⁰ absolute (fast approximations near zero) — each plus the
+  dtype's smallest normal (underflow, flush to zero). Only integer → float conversions within the
+  dtype's exact integers and the ops that do not round (negation, ``abs``, ``clamp``, ``min`` /
+  ``max``, ``where``, ``floor``, ``ceil``) are exact;
 * ``where(x < c, a, x)`` (and ``masked_fill``, ``>``, ``<=``, ``>=``) refines ``x`` on the branch
-  where the condition is false — the spelling of ``max(x, c)`` people write.
+  where the condition is false — the spelling of ``max(x, c)`` people write — with ``c`` as the
+  comparison rounds it (an integer ``x`` against a float ``c`` only within float32's exact
+  integers).
 
 Hand-written rather than ``torch.utils._sympy.value_ranges``: that analysis tracks neither NaN nor
-float rounding, and both decide whether a float→int cast can be narrowed soundly.
+float rounding, and both decide whether a float→int cast or a dropped bounds check is sound.
 """
 from __future__ import annotations
 
@@ -32,19 +40,13 @@ import torch.fx as fx
 Number = Union[int, float]
 Interval = tuple[Number, Number]
 
-# float rounding: arithmetic errs by a few ulps of its result (relative); transcendentals also by an
-# absolute amount near zero (fast approximations), except at the points every libm gets exactly
-_WIDEN_REL, _WIDEN_ABS = 2.0 ** -16, 2.0 ** -20
-_EXACT_INT_FLOAT = 2 ** 24  # integers up to this convert to float32 exactly
-_NO_ROUNDING = {"neg", "abs", "relu", "clamp", "clip", "clamp_min", "clamp_max", "minimum", "min", "maximum", "max",
-                "where", "masked_fill", "floor", "ceil", "contiguous"}
-_TRANSCENDENTAL_EXACT = {"log": {1: 0.0}, "log2": {1: 0.0}, "log1p": {0: 0.0}, "exp": {0: 1.0}, "exp2": {0: 1.0},
-                         "sqrt": {0: 0.0, 1: 1.0}}
-_FLOAT_MAX = {torch.float32: 3.4028234663852886e38, torch.float16: 65504.0, torch.bfloat16: 3.3895313892515355e38,
-              torch.float64: 1.7976931348623157e308}
-
-
+_MANTISSA = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
+_ULPS = {"div": 4, "transcendental": 8}
+_APPROX_ABS = 2.0 ** -20  # fast transcendental approximations err absolutely near zero
 _CASTS = ("long", "int", "to", "type", "type_as", "contiguous", "float", "double", "half", "bfloat16")
+_TRANSCENDENTAL = {"log": math.log, "log2": math.log2, "log1p": math.log1p, "exp": math.exp,
+                   "exp2": lambda x: 2.0 ** x, "sqrt": math.sqrt}
+_DOMAIN = {"log": 0.0, "log2": 0.0, "log1p": -1.0}  # the argument must exceed this
 
 
 def dtype_range(dtype: Optional[torch.dtype]) -> Optional[Interval]:
@@ -66,23 +68,31 @@ def _dtype(meta: Any) -> Optional[torch.dtype]:
     return meta.dtype if isinstance(meta, torch.Tensor) else None
 
 
-def _widen(lo: float, hi: float, dtype: Optional[torch.dtype], relative: tuple[bool, bool] = (True, True),
-           absolute: tuple[bool, bool] = (False, False)) -> Optional[Interval]:
-    """A float result's interval, each bound widened outward by the rounding its op may add; None
-    if it may overflow (or is not finite)."""
+def _is_int(iv: Interval) -> bool:
+    return isinstance(iv[0], int) and isinstance(iv[1], int)
+
+
+def _rounded(iv: Interval, dtype: torch.dtype, ulps: float = 1, absolute: float = 0.0) -> Optional[Interval]:
+    """``iv`` widened by what rounding to ``dtype`` may add (``ulps`` ulps, ``absolute``, and the
+    smallest normal for underflow); None if a bound is not finite or may overflow the dtype."""
+    lo, hi = float(iv[0]), float(iv[1])
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return None
-    lo -= abs(lo) * _WIDEN_REL * relative[0] + _WIDEN_ABS * absolute[0]
-    hi += abs(hi) * _WIDEN_REL * relative[1] + _WIDEN_ABS * absolute[1]
-    limit = _FLOAT_MAX.get(dtype, _FLOAT_MAX[torch.float32])
-    return (lo, hi) if -limit < lo and hi < limit else None
+    eps, info = 2.0 ** (1 - _MANTISSA.get(dtype, 24)), torch.finfo(dtype if dtype in _MANTISSA else torch.float32)
+    lo -= abs(lo) * eps * ulps + absolute + info.tiny
+    hi += abs(hi) * eps * ulps + absolute + info.tiny
+    return (lo, hi) if -info.max < lo and hi < info.max else None
 
 
-def _monotone(fn: Callable[[float], float], lo: Number, hi: Number) -> Optional[Interval]:
-    try:
-        return fn(lo), fn(hi)
-    except (ValueError, OverflowError):
+def _in_float(iv: Optional[Interval], dtype: torch.dtype) -> Optional[Interval]:
+    """An operand's interval once converted to the float ``dtype`` of the op that uses it:
+    integers within the dtype's exact integers stay exact, anything else rounds."""
+    if iv is None:
         return None
+    limit = 2 ** _MANTISSA.get(dtype, 24)
+    if _is_int(iv) and -limit <= iv[0] and iv[1] <= limit:
+        return float(iv[0]), float(iv[1])
+    return _rounded(iv, dtype)
 
 
 def _mul(a: Interval, b: Interval) -> Interval:
@@ -112,9 +122,11 @@ def _const(a: Any) -> Optional[Interval]:
     return None
 
 
-def _compare_refinement(cond: Any, x: fx.Node) -> Optional[tuple[str, Number]]:
-    """``(op, c)`` when ``cond`` is ``x op c`` (or ``c op x``, flipped) for a constant ``c``."""
-    if not isinstance(cond, fx.Node) or len(cond.args) != 2:
+def _compare_refinement(cond: Any, x: fx.Node, get: Callable, dtype_of: Callable) -> Optional[tuple[str, Interval]]:
+    """``(op, c)`` when ``cond`` is ``x op c`` (or ``c op x``, flipped) for a constant ``c``; ``c``
+    as an interval of what the comparison compares ``x`` with (rounded to its dtype); None when
+    ``x`` itself may be rounded by the comparison."""
+    if not isinstance(cond, fx.Node) or len(cond.args) != 2 or cond.kwargs:
         return None
     flip = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}
     name = _op_name(cond).strip("_")
@@ -122,53 +134,93 @@ def _compare_refinement(cond: Any, x: fx.Node) -> Optional[tuple[str, Number]]:
         return None
     a, b = cond.args
     if a is x and _const(b) is not None:
-        return name, b
-    if b is x and _const(a) is not None:
-        return flip[name], a
-    return None
+        op, c = name, b
+    elif b is x and _const(a) is not None:
+        op, c = flip[name], a
+    else:
+        return None
+    x_dtype = dtype_of(x)
+    if x_dtype is None:
+        return None
+    if dtype_range(x_dtype) is not None:  # an integer x
+        if not isinstance(c, float):
+            return op, (c, c)  # compared exactly as integers
+        # compared in float32: exact only for integers within its exact range
+        x_iv = get(x)
+        if x_iv is None or x_iv[0] < -(2 ** 24) or x_iv[1] > 2 ** 24 or abs(c) > 2 ** 24:
+            return None
+        return op, _rounded((c, c), torch.float32)
+    c_iv = _in_float((c, c), x_dtype)
+    return (op, c_iv) if c_iv is not None else None
 
 
-def _refine(interval: Optional[Interval], relation: Optional[tuple[str, Number]], holds: bool,
+def _refine(interval: Optional[Interval], relation: Optional[tuple[str, Interval]], holds: bool,
             is_int: bool) -> Optional[Interval]:
-    """``interval`` narrowed by knowing ``x op c`` is ``holds`` (True / False)."""
+    """``interval`` narrowed by knowing ``x op c`` is ``holds`` (True / False), ``c`` in ``[c_lo, c_hi]``."""
     if interval is None or relation is None:
         return interval
-    op, c = relation
+    op, (c_lo, c_hi) = relation
     if not holds:
         op = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt"}[op]
     lo, hi = interval
-    if op == "lt":
-        hi = min(hi, math.ceil(c) - 1 if is_int else c)
+    if op == "lt":  # x < c <= c_hi
+        hi = min(hi, math.ceil(c_hi) - 1 if is_int else c_hi)
     elif op == "le":
-        hi = min(hi, math.floor(c) if is_int else c)
-    elif op == "gt":
-        lo = max(lo, math.floor(c) + 1 if is_int else c)
+        hi = min(hi, math.floor(c_hi) if is_int else c_hi)
+    elif op == "gt":  # x > c >= c_lo
+        lo = max(lo, math.floor(c_lo) + 1 if is_int else c_lo)
     else:
-        lo = max(lo, math.ceil(c) if is_int else c)
+        lo = max(lo, math.ceil(c_lo) if is_int else c_lo)
     return (lo, hi) if lo <= hi else interval
 
 
-def node_interval(node: fx.Node, meta: Any, get: Callable[[Any], Optional[Interval]]) -> Optional[Interval]:
+def constant_wraps(args: list, dtype_of: Callable[[Any], Optional[torch.dtype]]) -> bool:
+    """Whether a Python integer among ``args`` lies outside the integer dtype of a tensor among
+    them: torch wraps it into that dtype (``int32_tensor // 2**31`` divides by ``-2**31``)."""
+    ranges = [dtype_range(dtype_of(a)) for a in args if isinstance(a, fx.Node)]
+    ranges = [r for r in ranges if r is not None and r != (0, 1)]
+    constants = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
+    return any(not lo <= c <= hi for c in constants for lo, hi in ranges)
+
+
+def _kwargs_ok(node: fx.Node, allowed: tuple[str, ...]) -> bool:
+    return all(k in allowed for k in node.kwargs)
+
+
+def node_interval(node: fx.Node, meta: Any, get: Callable[[Any], Optional[Interval]],
+                  dtype_of: Callable[[Any], Optional[torch.dtype]]) -> Optional[Interval]:
     """The interval of ``node``'s result (``meta``: its example value, for the dtype), given
-    ``get(arg)`` for its arguments' intervals (a constant's own value, a node's proven interval or
-    None)."""
+    ``get(arg)`` (an argument's interval: a constant's own value, a node's proven interval or None)
+    and ``dtype_of(arg)`` (a node's dtype)."""
     dtype = _dtype(meta)
     whole = dtype_range(dtype)
-    if dtype is None and not isinstance(meta, (int, float)):
-        return None
-    if dtype is None:  # a Python number computed from constants
-        return _const(meta)
+    if dtype is None:  # a Python number computed from constants, or not a tensor
+        return _const(meta) if isinstance(meta, (int, float)) else None
     is_int = whole is not None
     name = _op_name(node)
-    args = [*node.args, *node.kwargs.values()]
-    a = get(args[0]) if args else None
-    b = get(args[1]) if len(args) > 1 else None
-    math_iv: Optional[Interval] = None
     if dtype == torch.bool or name in ("lt", "le", "gt", "ge", "eq", "ne", "and_", "or_", "xor", "logical_and",
                                        "logical_or", "logical_not", "bool", "isnan", "isinf", "isfinite"):
-        return dtype_range(dtype) if is_int else None
+        return whole
     if name == "getitem":  # a table lookup: anything the table holds
         return whole
+    if not _kwargs_ok(node, ("rounding_mode", "min", "max", "value", "dtype", "memory_format", "copy",
+                             "non_blocking")):
+        return whole  # e.g. add(x, y, alpha=...): not modelled
+    args = list(node.args)
+    if constant_wraps(args, dtype_of):
+        return whole
+
+    def operand(i: int) -> Optional[Interval]:
+        """Argument ``i``'s interval as the op computes with it (converted to a float result's dtype)."""
+        iv = get(args[i]) if i < len(args) else None
+        if iv is not None and not is_int:
+            iv = _in_float(iv, dtype)
+        return iv
+
+    a, b = operand(0), operand(1)
+    math_iv: Optional[Interval] = None
+    rounding: tuple[float, float] = (1, 0.0)  # (ulps, absolute) the op's own rounding adds to a float result
+    exact = False
     if name in ("add", "__radd__") and a and b:
         math_iv = (a[0] + b[0], a[1] + b[1])
     elif name == "sub" and a and b:
@@ -177,86 +229,89 @@ def node_interval(node: fx.Node, meta: Any, get: Callable[[Any], Optional[Interv
         math_iv = (b[0] - a[1], b[1] - a[0])
     elif name in ("mul", "__rmul__") and a and b:
         math_iv = _mul(a, b)
-    elif name in ("truediv", "div", "true_divide") and a and b:
-        rounding = node.kwargs.get("rounding_mode")
-        if rounding is None:
-            math_iv = _div(a, b)
-        elif is_int:
-            math_iv = _floor_div_int(a, b) if rounding == "floor" else None
-        else:
-            q = _div(a, b)
-            math_iv = None if q is None else (math.floor(q[0]), math.floor(q[1])) if rounding == "floor" else \
-                (math.trunc(q[0]), math.trunc(q[1]))
-    elif name in ("floordiv", "floor_divide", "__floordiv__") and a and b:
+    elif name in ("truediv", "div", "true_divide", "floordiv", "floor_divide", "__floordiv__") and a and b:
+        mode = node.kwargs.get("rounding_mode") if name in ("div", "true_divide") else \
+            (None if name == "truediv" else "floor")
         if is_int:
-            math_iv = _floor_div_int(a, b)
+            math_iv = _floor_div_int(a, b) if mode == "floor" else None
         else:
             q = _div(a, b)
-            math_iv = None if q is None else (math.floor(q[0]), math.floor(q[1]))
+            q = q and _rounded(q, dtype, _ULPS["div"])  # the quotient the kernel floors / truncates
+            if mode is None or q is None:
+                math_iv, rounding = q, (0, 0.0)
+            else:
+                f = math.floor if mode == "floor" else math.trunc
+                math_iv, exact = (f(q[0]), f(q[1])), True
     elif name == "neg" and a:
-        math_iv = (-a[1], -a[0])
+        math_iv, exact = (-a[1], -a[0]), True
     elif name == "abs" and a:
         math_iv = (0 if a[0] <= 0 <= a[1] else min(abs(a[0]), abs(a[1])), max(abs(a[0]), abs(a[1])))
+        exact = True
     elif name == "relu" and a:
-        math_iv = (max(a[0], 0), max(a[1], 0))
+        math_iv, exact = (max(a[0], 0), max(a[1], 0)), True
     elif name in ("clamp", "clip", "clamp_min", "clamp_max"):
         if name == "clamp_max":
-            lo_c, hi_c = None, node.args[1] if len(node.args) > 1 else node.kwargs.get("max")
+            lo_c, hi_c = None, args[1] if len(args) > 1 else node.kwargs.get("max")
         else:
-            lo_c = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
-            hi_c = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
-        lo_v, hi_v = get(lo_c) if lo_c is not None else None, get(hi_c) if hi_c is not None else None
+            lo_c = args[1] if len(args) > 1 else node.kwargs.get("min")
+            hi_c = args[2] if len(args) > 2 else node.kwargs.get("max")
+
+        def bound(c: Any) -> Optional[Interval]:
+            iv = get(c)
+            return _in_float(iv, dtype) if iv is not None and not is_int else iv
+        lo_v, hi_v = bound(lo_c) if lo_c is not None else None, bound(hi_c) if hi_c is not None else None
         if (lo_c is not None and lo_v is None) or (hi_c is not None and hi_v is None):
             return whole  # a bound that may be NaN
-        base = get(node.args[0]) or (whole if is_int else None)
-        if base is None:
-            if lo_v is None or hi_v is None:
-                return whole
-            math_iv = (lo_v[0], hi_v[1])  # NaN clamps to NaN for floats: no interval without the input's
-            if not is_int:
-                return None
-        else:
+        base = a if a is not None else whole  # floats: NaN clamps to NaN, so no interval without the input's
+        if base is not None:
             lo, hi = base
             if lo_v is not None:
                 lo, hi = max(lo, lo_v[0]), max(hi, lo_v[1])
             if hi_v is not None:
                 lo, hi = min(lo, hi_v[0]), min(hi, hi_v[1])
-            math_iv = (lo, hi)
-    elif name in ("minimum", "min", "maximum", "max") and len(node.args) == 2 and a and b:
+            math_iv, exact = (lo, hi), True
+    elif name in ("minimum", "min", "maximum", "max") and len(args) == 2 and a and b:
         pick = min if name.startswith("min") else max
-        math_iv = (pick(a[0], b[0]), pick(a[1], b[1]))
-    elif name in ("where", "masked_fill") and len(node.args) >= 3:
-        if name == "where":
-            cond, on_true, on_false = node.args[:3]
+        math_iv, exact = (pick(a[0], b[0]), pick(a[1], b[1])), True
+    elif name in ("where", "masked_fill"):
+        if name == "where" and len(args) == 3:
+            cond, on_true, on_false = args
+        elif name == "masked_fill" and len(args) + ("value" in node.kwargs) == 3:
+            on_false, cond, on_true = args[0], args[1], args[2] if len(args) > 2 else node.kwargs["value"]
         else:
-            on_false, cond, on_true = node.args[:3]
+            return whole
         branches = []
         for branch, holds in ((on_true, True), (on_false, False)):
             iv = get(branch)
             if isinstance(branch, fx.Node):
-                iv = _refine(iv if iv is not None else (whole if is_int else None),
-                             _compare_refinement(cond, branch), holds, is_int)
+                if iv is None and dtype_range(dtype_of(branch)) is not None:
+                    iv = dtype_range(dtype_of(branch))
+                iv = _refine(iv, _compare_refinement(cond, branch, get, dtype_of), holds, _is_int(iv) if iv else False)
+            if iv is not None and not is_int:
+                iv = _in_float(iv, dtype)
             branches.append(iv)
         if branches[0] is None or branches[1] is None:
             return whole
-        math_iv = (min(branches[0][0], branches[1][0]), max(branches[0][1], branches[1][1]))
+        math_iv, exact = (min(branches[0][0], branches[1][0]), max(branches[0][1], branches[1][1])), True
     elif name in _CASTS:
-        if a is None:
+        source = get(args[0]) if args else None
+        if source is None:
             return whole
         if is_int:  # to an integer: a float truncates toward zero, an integer keeps its value
-            math_iv = (math.trunc(a[0]), math.trunc(a[1])) if all(math.isfinite(x) for x in a) else None
-        else:  # to a float: exact up to rounding (widened below)
-            math_iv = (float(a[0]), float(a[1]))
-    elif name in ("log", "log2", "log1p") and a:
-        if (a[0] > 0) if name != "log1p" else (a[0] > -1):
-            math_iv = _monotone({"log": math.log, "log2": math.log2, "log1p": math.log1p}[name], a[0], a[1])
-    elif name in ("exp", "exp2") and a:
-        math_iv = _monotone(math.exp if name == "exp" else lambda x: 2.0 ** x, a[0], a[1])
-    elif name == "sqrt" and a and a[0] >= 0:
-        math_iv = (math.sqrt(a[0]), math.sqrt(a[1]))
+            math_iv = (math.trunc(source[0]), math.trunc(source[1])) if all(map(math.isfinite, source)) else None
+        else:  # to a float: exact within the dtype's exact integers (``operand``), else rounded once
+            math_iv, exact = a, True
+    elif name in _TRANSCENDENTAL and a:
+        if name not in _DOMAIN or a[0] > _DOMAIN[name]:
+            if name != "sqrt" or a[0] >= 0:
+                try:
+                    math_iv = (_TRANSCENDENTAL[name](a[0]), _TRANSCENDENTAL[name](a[1]))
+                except (ValueError, OverflowError):
+                    math_iv = None
+                rounding = (_ULPS["transcendental"], _APPROX_ABS)
     elif name in ("floor", "ceil") and a:
         f = math.floor if name == "floor" else math.ceil
-        math_iv = (f(a[0]), f(a[1])) if all(math.isfinite(x) for x in a) else None
+        math_iv, exact = (f(a[0]), f(a[1])), True
     elif name == "sigmoid" and a:
         math_iv = (0.0, 1.0)
     elif name == "tanh" and a:
@@ -264,18 +319,11 @@ def node_interval(node: fx.Node, meta: Any, get: Callable[[Any], Optional[Interv
     if math_iv is None:
         return whole
     if is_int:
-        lo, hi = (math.floor(math_iv[0]), math.ceil(math_iv[1]))
+        lo, hi = math.floor(math_iv[0]), math.ceil(math_iv[1])
         return (int(lo), int(hi)) if whole[0] <= lo and hi <= whole[1] else whole
-    lo, hi = float(math_iv[0]), float(math_iv[1])
-    if name in _NO_ROUNDING:
-        return _widen(lo, hi, dtype, (False, False))
-    if name in _CASTS and isinstance(a[0], int):  # from an integer: exact up to 2**24
-        return _widen(lo, hi, dtype, (abs(lo) > _EXACT_INT_FLOAT, abs(hi) > _EXACT_INT_FLOAT))
-    exact = _TRANSCENDENTAL_EXACT.get(name)
-    if exact is not None:
-        inexact = tuple(not (x in exact and exact[x] == y) for x, y in zip(a, (lo, hi)))
-        return _widen(lo, hi, dtype, inexact, inexact)
-    return _widen(lo, hi, dtype)
+    if exact:
+        return _rounded(math_iv, dtype, 0)  # only the dtype's range (and the tiny underflow margin)
+    return _rounded(math_iv, dtype, *rounding)
 
 
 def propagate(gm: fx.GraphModule, metas: Mapping[fx.Node, Any],
@@ -287,6 +335,9 @@ def propagate(gm: fx.GraphModule, metas: Mapping[fx.Node, Any],
     def get(a: Any) -> Optional[Interval]:
         return ranges.get(a) if isinstance(a, fx.Node) else _const(a)
 
+    def dtype_of(a: Any) -> Optional[torch.dtype]:
+        return _dtype(metas.get(a)) if isinstance(a, fx.Node) else None
+
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             ranges[node] = inputs[node] if node in inputs else dtype_range(_dtype(metas.get(node)))
@@ -296,8 +347,8 @@ def propagate(gm: fx.GraphModule, metas: Mapping[fx.Node, Any],
                 value = getattr(value, part, None)
             ranges[node] = _const(value.item()) if isinstance(value, torch.Tensor) and value.dim() == 0 else None
         elif node.op in ("call_function", "call_method"):
-            ranges[node] = node_interval(node, metas.get(node), get)
+            ranges[node] = node_interval(node, metas.get(node), get, dtype_of)
     return ranges
 
 
-__all__ = ["Interval", "dtype_range", "node_interval", "propagate"]
+__all__ = ["Interval", "constant_wraps", "dtype_range", "node_interval", "propagate"]

@@ -112,9 +112,10 @@ def _dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b)
 '''
 
-# Positions as the kernels load them. With launch-dependent guards (GUARDS) clamped to [0,
-# max_len): what the forward validated, kept by construction, so that a table index proven in
-# range from max_len stays in range whatever a caller passes; without, loaded as they are.
+# Positions as the kernels load them. With a score_mod clamped to [0, max_len): what the forward
+# validated, kept by construction, so that a table index proven in range from the positions'
+# bounds (statically, or from max_len under GUARDS) stays in range whatever a caller passes;
+# without one they index nothing: loaded as they are.
 _LOAD_POSITIONS = {True: '''
 
 @triton.jit
@@ -425,7 +426,7 @@ def _render(code: Optional[ScoreModCode], n_q: int, n_k: int, table_ranks: list[
         return {f"pair_{kind}": _BWD_PAIR.format(score_mod=sm, score_mod_backward=backward_lines, allowed=allowed)
                 for kind, allowed in (("interior", "PAIR"), ("edge", _MASKED))}
     key_blocks = [("0, full", True), ("full, hi", False)]  # fwd, bwd_q: see `full` in their source
-    src = _HEADER + _LOAD_POSITIONS[bool(code and code.guards)]
+    src = _HEADER + _LOAD_POSITIONS[code is not None]
     src += _FWD.format(extra_params=extra_params, load_q_sides=load_q, loops=_block_loops(
         _FWD_TILE, "n0", key_blocks, "0, hi", allowed_interior="PAIR", allowed_edge=_MASKED, load_k_sides=load_k,
         score_mod=sm))

@@ -639,3 +639,59 @@ def test_lookups_proven_in_range_by_max_len_run_unguarded_and_longer_rows_stay_c
     assert code.guard_bits(longer_kwargs["max_len"], 2) != 0
     with pytest.raises(ValueError, match="out of range"):
         at.attention_triton(*longer, **longer_kwargs)
+
+
+def capped_position(score, q_pos, k_pos, table_0):
+    return score + table_0[k_pos.clamp(max=2)]  # in [0, 2] from positions >= 0: no guard generated
+
+
+def test_a_backward_called_with_positions_outside_max_len_reads_and_writes_inside_its_tables():
+    """The kernels with a score_mod clamp the positions they load to [0, max_len): a lookup whose
+    guard was dropped on the positions' bounds stays inside its table (and its gradient's buffer)
+    even when the backward op is called directly with positions the forward would reject."""
+    key = S.register_score_mod(capped_position)
+    gen = torch.Generator().manual_seed(0)
+    T, H, d = 4, 1, 16
+    q, k, v, grad = (torch.randn(T, H, d, generator=gen) for _ in range(4))
+    offsets = torch.tensor([0, T])
+    table = torch.tensor([1000.0, 0.5, -0.5, 0.25])[1:]  # a view: index -1 would read the 1000
+    kwargs = dict(score_mod=key, use_qk=True, activation="silu", scale=0.5, out_scale=1.0, causal=False, max_len=T,
+                  dropout_p=0.0)
+    _, code = at.kernels_for(at._variant(q, [], [], [table], key, "silu", False, True, False), [], [], [table])
+    assert not code.guards
+    outside = at.attention_backward_triton(grad, q, k, v, offsets, torch.tensor([-1, 0, 1, 2]), [], [], [table],
+                                           **kwargs)
+    clamped = at.attention_backward_triton(grad, q, k, v, offsets, torch.tensor([0, 0, 1, 2]), [], [], [table],
+                                           **kwargs)
+    for got, want in zip(outside[:3], clamped[:3]):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(outside[5][0], clamped[5][0])
+
+
+def add_with_alpha(score, q_pos, k_pos, table_0):
+    return score + table_0[torch.add(k_pos, q_pos, alpha=-1) + 7]
+
+
+def masked_fill_keyword(score, q_pos, k_pos, table_0):
+    return score.masked_fill(k_pos > q_pos, value=-3.0) + table_0[(k_pos - q_pos).abs().clamp(max=7)]
+
+
+def constant_wrapped_by_torch(score, q_pos, k_pos, table_0):
+    return score + table_0[(k_pos.int() // 2147483648 + 1).long()]  # torch divides by -2**31
+
+
+@pytest.mark.parametrize("fn, runs_in_kernel, reason", [
+    (add_with_alpha, False, "keyword arguments"), (masked_fill_keyword, True, None),
+    (constant_wrapped_by_torch, False, "wraps")])
+def test_spellings_the_generator_does_not_model_run_the_reference(fn, runs_in_kernel, reason):
+    key = S.register_score_mod(fn)
+    args, kwargs = _case([8, 1, 0, 5], 2, 8, 8, "silu", True, 0.0, "none", 4)
+    args = (*args[:7], [torch.randn(15)], args[8])
+    kwargs["score_mod"] = key
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _assert_match(args, kwargs)
+    fell_back = key in OPS["jagged_attention"].fallbacks
+    assert fell_back != runs_in_kernel, caught
+    if reason:
+        assert reason in OPS["jagged_attention"].fallbacks[key]
