@@ -50,14 +50,8 @@ def float_side_bucket(q_side_0, k_side_0):
 
 def _ranges(fn, inputs: dict[str, tuple], dtypes: dict[str, torch.dtype]):
     gm = fx.symbolic_trace(fn)
-    args = {n.name: torch.zeros(3, dtype=dtypes[n.name]) for n in gm.graph.nodes if n.op == "placeholder"}
-    metas = {}
-
-    class Recorder(fx.Interpreter):
-        def run_node(self, n):
-            metas[n] = super().run_node(n)
-            return metas[n]
-    Recorder(gm).run(*args.values())
+    metas = _evaluate(gm, {n.name: torch.zeros(3, dtype=dtypes[n.name]) for n in gm.graph.nodes
+                           if n.op == "placeholder"})
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     ranges = propagate(gm, metas, {placeholders[k]: v for k, v in inputs.items()})
     return gm, ranges
