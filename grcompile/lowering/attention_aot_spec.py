@@ -40,7 +40,7 @@ def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
                                     tile_source, _ACT)
     from .score_mod_codegen import Unsupported
 
-    entries, compiled = [], {}  # compiled: (module, kernel, arch, dtype, widths, GUARDS) -> its entry
+    entries, compiled = [], {}  # compiled: what a compile depends on -> its entry
     cuda = torch.device("cuda")
     for key, calls in sorted(seen.items(), key=lambda kv: -kv[1]):
         score_mod, activation, causal, use_qk, dropout, dtype, dqk, dv, q_dtypes, k_dtypes, table_meta, \
@@ -62,13 +62,9 @@ def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
             kernel_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
             guards = code.guard_bits(max_len, heads) if code else 0
             for arch in archs:
-                same = compiled.get((module.__file__, kernel, arch, dtype, dqk, dv, guards))
-                if same is not None:  # another max_len or head count with the same kernel: count its calls
-                    same["config"]["calls"] += calls
-                    continue
                 plain = not score_mod and not dropout
                 blocks, warps, stages = launch_config(kernel, dqk, dv, cuda, arch=arch, plain=plain)
-                entries.append(dict(
+                entry = dict(
                     kernel=f"jagged_attention_{kernel}", module=module.__file__, fn=kernel, arch=arch,
                     signature=_kernel_signature(fn, kernel_dtype, q_sides, k_sides, all_tables),
                     constexprs=dict(blocks, ACT=_ACT[activation], CAUSAL=causal, USE_QK=use_qk, DROPOUT=dropout,
@@ -76,8 +72,14 @@ def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
                                     SPLIT=split_interior(bool(score_mod)),
                                     GUARDS=guards),
                     num_warps=warps, num_stages=stages, uses_dot=kernel_dtype != torch.float32,
-                    config=dict(config, tiles=tile_source(kernel, arch, _bucket(max(dqk, dv)), plain))))
-                compiled[(module.__file__, kernel, arch, dtype, dqk, dv, guards)] = entries[-1]
+                    config=dict(config, tiles=tile_source(kernel, arch, _bucket(max(dqk, dv)), plain)))
+                identity = repr([entry[k] for k in ("module", "fn", "arch", "signature", "constexprs", "num_warps",
+                                                    "num_stages")])
+                if identity in compiled:  # another max_len or head count, the same kernel: count its calls
+                    compiled[identity]["config"]["calls"] += calls
+                    continue
+                compiled[identity] = entry
+                entries.append(entry)
     return entries
 
 

@@ -211,6 +211,7 @@ class _Gen:
         self.tmp = 0
         self.interval: Optional[tuple[int, int]] = None  # of the node being generated
         self.wide = False
+        self.comp: Optional[torch.dtype] = None  # the dtype torch computes the node being generated in
         self.side_dtypes = ([t.dtype for t in q_sides], [t.dtype for t in k_sides])
         self.table_meta = [(tuple(t.shape), t.dtype) for t in tables]
 
@@ -273,6 +274,13 @@ class _Gen:
             if a in self.tables:
                 raise Unsupported(f"the table {a.name} is used other than by an index lookup")
             value = self.values[a]
+            comp = self.comp
+            if comp is not None and value.dtype not in (None, torch.bool, comp):
+                # torch's promotion, not Triton's: int8 - uint8 is int16 in torch, uint8 in Triton;
+                # an int64 divided by a float64 is float64 in torch, float32 in Triton
+                target = "tl.int32" if comp == torch.int64 and not self.wide else _TL_DTYPE[comp]
+                return Value(f"({value.expr}).to({target})", comp, value.roles, value.node, value.interval,
+                             narrow=target == "tl.int32" and comp == torch.int64)
             if value.narrow and self.wide:  # an int32-held operand of an op computed in int64
                 return Value(f"{value.expr}.to(tl.int64)", value.dtype, value.roles, value.node, value.interval)
             return value
@@ -280,8 +288,15 @@ class _Gen:
             return Value("True" if a else "False", None, frozenset())
         if isinstance(a, (int, float)):
             if isinstance(a, float) and not math.isfinite(a):
+                if self.comp is not None and not self.comp.is_floating_point:
+                    raise Unsupported(f"a non-finite constant {a} converted to {self.comp} inside the score_mod")
                 return Value("float('inf')" if a > 0 else ("float('-inf')" if a < 0 else "float('nan')"),
                              None, frozenset())
+            if isinstance(a, float) and self.comp is not None and not self.comp.is_floating_point:
+                return Value(repr(math.trunc(a)), None, frozenset())  # masked_fill(int, 0.5): torch truncates
+            if isinstance(a, int) and not _INT32[0] <= a <= _INT32[1]:
+                # a Python int Triton would have to fit into an int32-held operand: int64 explicitly
+                return Value(f"tl.full([], {a}, tl.int64)", None, frozenset())
             return Value(repr(a), None, frozenset())
         raise Unsupported(f"an argument of type {type(a).__name__} inside the score_mod")
 
@@ -345,6 +360,7 @@ class _Gen:
         # an int op whose result is not proven to fit int32 computes in int64 (operands widened)
         self.wide = isinstance(meta, torch.Tensor) and meta.dtype == torch.int64 and not (
             self.interval is not None and _INT32[0] <= self.interval[0] and self.interval[1] <= _INT32[1])
+        self.comp = _computation_dtype(node, meta, self.metas)
         return handler(self, node, roles)
 
     def guarded(self, guard: Guard, roles: frozenset, lines: list[str], otherwise: list[str] = ()) -> None:
@@ -452,6 +468,26 @@ def _clamp_bounds(node: fx.Node) -> tuple[Any, Any]:
     return lo, hi
 
 
+_NO_PROMOTION = {"long", "int", "float", "double", "half", "bfloat16", "bool", "to", "type", "type_as", "contiguous",
+                 "getitem", "full", "zeros_like", "ones_like", "full_like"}
+
+
+def _computation_dtype(node: fx.Node, meta: Any, metas: dict) -> Optional[torch.dtype]:
+    """The dtype torch computes ``node`` in (its operands are converted to it), or None where the
+    generator takes them as they are (casts, lookups, fills, logical ops on bools)."""
+    name = _op_name(node)
+    if name in _NO_PROMOTION:
+        return None
+    if name in ("lt", "le", "gt", "ge", "eq", "ne"):
+        operands = [metas[a] if isinstance(a, fx.Node) else a for a in node.args[:2]]
+        try:
+            return torch.result_type(*operands)
+        except (TypeError, RuntimeError):
+            return None
+    dtype = meta.dtype if isinstance(meta, torch.Tensor) else None
+    return None if dtype == torch.bool else dtype
+
+
 def role_mask(roles: frozenset, condition: str = "") -> str:
     """The in-row mask of a value with these roles (its own shape: a per-key value is ``[1, BN]``),
     ANDed with ``condition``."""
@@ -477,6 +513,8 @@ def _reflected(op: str) -> Callable:
 def _unary(template: str, float_only: bool = True) -> Callable:
     def handler(gen: _Gen, node: fx.Node, roles):
         x = gen.arg(node.args[0])
+        if _op_name(node) in ("floor", "ceil") and x.dtype is not None and not x.dtype.is_floating_point:
+            return gen.emit(x.expr, node, roles)  # an integer's floor is itself (no float32 round trip)
         if float_only and x.dtype is not None and not x.dtype.is_floating_point:  # torch.log(int) is float32
             x = Value(f"{x.expr}.to(tl.float32)", torch.float32, x.roles)
         return gen.emit(template.format(x=x.expr), node, roles)

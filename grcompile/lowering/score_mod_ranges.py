@@ -308,7 +308,9 @@ def node_interval(node: fx.Node, meta: Any, get: Callable[[Any], Optional[Interv
                     math_iv = (_TRANSCENDENTAL[name](a[0]), _TRANSCENDENTAL[name](a[1]))
                 except (ValueError, OverflowError):
                     math_iv = None
-                rounding = (_ULPS["transcendental"], _APPROX_ABS)
+                # exp(x) is ex2(x * log2(e)): the product's rounding is |x| ulps of the result
+                ulps = _ULPS["transcendental"] + (max(abs(a[0]), abs(a[1])) if name == "exp" else 0)
+                rounding = (ulps, _APPROX_ABS)
     elif name in ("floor", "ceil") and a:
         f = math.floor if name == "floor" else math.ceil
         math_iv, exact = (f(a[0]), f(a[1])), True

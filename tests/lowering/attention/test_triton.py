@@ -695,3 +695,69 @@ def test_spellings_the_generator_does_not_model_run_the_reference(fn, runs_in_ke
     assert fell_back != runs_in_kernel, caught
     if reason:
         assert reason in OPS["jagged_attention"].fallbacks[key]
+
+
+# Spellings where Triton's own type promotion or scalar handling differs from torch's (a second
+# review): the generator converts operands as torch promotes them. Each reads a table whose next
+# element (past its end) is 1000, so an index the kernel computes differently shows.
+def int_over_float64(score, q_pos, k_pos, q_side_0, k_side_0, table_0):
+    return score + table_0[(k_side_0.clamp(2**25 + 1, 2**25 + 3) / q_side_0.clamp(1, 1).double()).long() - 2**25]
+
+
+_NEARLY_THREE = torch.tensor(2.9999999, dtype=torch.float64)
+
+
+def float64_constant(score, q_pos, k_pos, q_side_0, k_side_0, table_0):
+    return score + table_0[(k_side_0.clamp(0, 1) * _NEARLY_THREE).long()]  # float64: 2, float32: 3
+
+
+def floor_of_an_integer(score, q_pos, k_pos, q_side_0, k_side_0, table_0):
+    return score + table_0[torch.floor(k_side_0.clamp(2**25 + 1, 2**25 + 3)) - (2**25 + 1)]
+
+
+def integer_filled_with_a_float(score, q_pos, k_pos, q_side_0, k_side_0, table_0):
+    filled = k_side_0.clamp(2**25 + 1, 2**25 + 3).masked_fill(q_side_0 > 5, 0.5)
+    return score + table_0[(filled - 2**25).clamp(min=0)]
+
+
+def int8_minus_uint8(score, q_pos, k_pos, q_side_0, k_side_0, table_0):
+    return score + table_0[(q_side_0 - k_side_0 + 383).long()]  # int16 in torch, uint8 in Triton
+
+
+def constants_beyond_int32(score, q_pos, k_pos, q_side_0, k_side_0, table_0):
+    small = (k_side_0.clamp(0, 100).float() * 0.5).long()  # held in int32
+    return score + table_0[torch.clamp(k_pos, max=2**40) % 3] + (small < 2**31).float()
+
+
+@pytest.mark.parametrize("fn, q_side, k_side, size", [
+    (int_over_float64, torch.ones(6, dtype=torch.int64), torch.full((6,), 2**25 + 3), 4),
+    (float64_constant, torch.zeros(6, dtype=torch.int64), torch.ones(6, dtype=torch.int64), 3),
+    (floor_of_an_integer, torch.zeros(6, dtype=torch.int64), torch.full((6,), 2**25 + 3), 3),
+    (integer_filled_with_a_float, torch.zeros(6, dtype=torch.int64), torch.full((6,), 2**25 + 3), 4),
+    (int8_minus_uint8, torch.zeros(6, dtype=torch.int8), torch.ones(6, dtype=torch.uint8), 511),
+    (constants_beyond_int32, torch.zeros(6, dtype=torch.int64), torch.arange(6), 3)])
+def test_operands_are_promoted_as_torch_promotes_them(fn, q_side, k_side, size):
+    key = S.register_score_mod(fn)
+    args, kwargs = _case([6], 1, 8, 8, "silu", False, 0.0, "none", 5)
+    base = torch.zeros(size + 1)
+    base[size] = 1000.0
+    args = (*args[:5], [q_side], [k_side], [base[:size]], args[8])
+    kwargs["score_mod"] = key
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the kernel runs it: no fallback warning
+        _assert_match(args, kwargs)
+    assert key not in OPS["jagged_attention"].fallbacks
+
+
+def test_the_aot_spec_keeps_every_kernel_a_process_ran_and_merges_only_identical_ones():
+    from grcompile.lowering.attention_aot_spec import spec_for_seen
+    key = S.register_score_mod(capped_position)
+    table = (((3,), torch.float32),)
+
+    def seen(activation, causal, max_len):
+        return (key, activation, causal, True, False, torch.bfloat16, 64, 64, (), (), table, (max_len, 2))
+    # two max_lens with the same GUARDS: one kernel, its calls summed; another activation: its own
+    entries = spec_for_seen({seen("silu", False, 64): 3, seen("silu", False, 128): 2, seen("softmax", True, 64): 1},
+                            archs=("sm_90",))
+    fwd = [e for e in entries if e["kernel"] == "jagged_attention_fwd"]
+    assert sorted((e["constexprs"]["ACT"], e["config"]["calls"]) for e in fwd) == [(1, 5), (2, 1)]
