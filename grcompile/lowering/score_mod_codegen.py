@@ -485,6 +485,8 @@ def _computation_dtype(node: fx.Node, meta: Any, metas: dict) -> Optional[torch.
         except (TypeError, RuntimeError):
             return None
     dtype = meta.dtype if isinstance(meta, torch.Tensor) else None
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32  # torch's opmath: half arithmetic in float32, with the scalar exact, rounded once
     return None if dtype == torch.bool else dtype
 
 
@@ -499,6 +501,9 @@ def role_mask(roles: frozenset, condition: str = "") -> str:
 def _binary(op: str) -> Callable:
     def handler(gen: _Gen, node: fx.Node, roles):
         a, b = (gen.arg(x) for x in node.args[:2])
+        meta = gen.metas[node]
+        if isinstance(meta, torch.Tensor) and meta.dtype == torch.bool and op in ("+", "*"):
+            return gen.emit(f"{a.expr} {'|' if op == '+' else '&'} {b.expr}", node, roles)  # True + True is True
         return gen.emit(f"{a.expr} {op} {b.expr}", node, roles)
     return handler
 
@@ -637,8 +642,10 @@ def _truncdiv(gen: _Gen, node: fx.Node, roles):
 def _mod(gen: _Gen, node: fx.Node, roles):
     """torch.remainder / ``%``: the sign of the divisor (Python's), not C's fmod."""
     a, b = (gen.arg(x) for x in node.args[:2])
-    if _is_float(a, b):
-        return gen.emit(f"{a.expr} - tl.floor({a.expr} / {b.expr}) * {b.expr}", node, roles)
+    if _is_float(a, b):  # torch's: fmod (Triton's float %, exact), moved to the divisor's sign
+        m = gen.fresh("m")
+        gen.lines.append(f"{m} = {a.expr} % {b.expr}")
+        return gen.emit(f"tl.where(({m} != 0) & (({m} < 0) != ({b.expr} < 0)), {m} + {b.expr}, {m})", node, roles)
     return gen.emit(_int_floor_parts(gen, a, b)[1], node, roles)
 
 
@@ -771,6 +778,7 @@ class _Backward:
 
     def run(self) -> None:
         gen = self.gen
+        gen.comp, gen.wide = None, False  # the derivatives combine forward values as they are
         if self.out.node is not None and self.out.node in self.needs:
             self.adj[self.out.node] = "g_mod"
         for node in reversed(list(gen.values)):
@@ -842,6 +850,15 @@ class _Backward:
             if hi is not None:
                 keep.append(f"({x(0)} <= {gen.arg(hi).expr})")
             self.add(args[0], f"tl.where({' & '.join(keep)}, {g}, 0.0)", roles)
+            # tensor bounds, as torch: min(max(x, lo), hi) takes hi where max(x, lo) > hi, else lo where x < lo
+            lo_v = gen.arg(lo).expr if lo is not None else None
+            hi_v = gen.arg(hi).expr if hi is not None else None
+            if isinstance(lo, fx.Node):
+                self.add(lo, f"tl.where(({x(0)} < {lo_v})" + (f" & ({lo_v} <= {hi_v})" if hi_v else "") +
+                         f", {g}, 0.0)", roles)
+            if isinstance(hi, fx.Node):
+                above = f"tl.where({x(0)} > {lo_v}, {x(0)}, {lo_v})" if lo_v else x(0)
+                self.add(hi, f"tl.where({above} > {hi_v}, {g}, 0.0)", roles)
         elif name in ("minimum", "maximum", "min", "max"):
             a, b = x(0), x(1)
             win = "<" if name in ("minimum", "min") else ">"
@@ -865,7 +882,8 @@ class _Backward:
             self.add(args[0], f"{g} * {d}", roles)
         elif name in ("mod", "remainder", "__mod__"):  # a - floor(a / b) * b
             self.add(args[0], g, roles)
-            self.add(args[1], f"-{g} * tl.floor({x(0)} / {x(1)})", roles)
+            # the quotient the forward's remainder left: (a - r) / b is an integer up to rounding
+            self.add(args[1], f"-{g} * tl.floor(({x(0)} - {v.expr}) / {x(1)} + 0.5)", roles)
         elif name in ("floor", "ceil", "full", "zeros_like", "ones_like", "full_like", "floordiv",
                       "floor_divide", "__floordiv__") or (name in ("div",) and node.kwargs.get("rounding_mode")):
             return  # zero derivative (floor/ceil almost everywhere, as torch)

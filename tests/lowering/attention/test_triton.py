@@ -761,3 +761,36 @@ def test_the_aot_spec_keeps_every_kernel_a_process_ran_and_merges_only_identical
                             archs=("sm_90",))
     fwd = [e for e in entries if e["kernel"] == "jagged_attention_fwd"]
     assert sorted((e["constexprs"]["ACT"], e["config"]["calls"]) for e in fwd) == [(1, 5), (2, 1)]
+
+
+# A third review's cases: derivatives generated with the forward's promotion left over, bool sums,
+# tensor clamp bounds without a gradient, a float remainder near a multiple of the divisor.
+def score_times_side_with_an_unused_integer_last(score, q_pos, k_pos, k_side_0):
+    value = score * k_side_0 + k_side_0 * k_side_0
+    unused = q_pos * 3  # noqa: F841 - the last node generated: its int64 promotion must not leak
+    return value
+
+
+def mask_plus_mask(score, q_pos, k_pos, k_side_0):
+    return score + ((k_side_0 > 0) + (k_side_0 > 0.5)).float()  # True + True is True in torch
+
+
+def clamped_by_a_side(score, q_pos, k_pos, k_side_0):
+    return torch.clamp(score, min=-k_side_0.abs(), max=k_side_0 * 2)
+
+
+def remainder_near_the_divisor(score, q_pos, k_pos, k_side_0):
+    return score + (q_pos - k_pos - 9) % (k_side_0.abs() + 0.9)  # fmod moved to the divisor's sign
+
+
+@pytest.mark.parametrize("fn", [score_times_side_with_an_unused_integer_last, mask_plus_mask, clamped_by_a_side,
+                                remainder_near_the_divisor])
+def test_float_side_spellings_match_values_and_every_gradient(fn):
+    key = S.register_score_mod(fn)
+    args, kwargs = _case([7, 1, 0, 4], 2, 8, 8, "silu", True, 0.0, "none", 6)
+    k_side = torch.tensor([0.0, 0.3, -1.0, 0.9, 2.0, -0.2, 0.7, 1.5, -3.0, 0.05, 0.6, 0.0])
+    args = (*args[:6], [k_side], args[7], args[8])
+    kwargs["score_mod"] = key
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_match(args, kwargs)
