@@ -63,7 +63,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from .sass import disassemble, instructions, mma_loops, run_on_cubin
+from .sass import disassemble, instructions, loops_of, run_on_cubin
 
 PROVIDERS = [
     "grcompile.lowering.norm.triton:aot_configs",
@@ -254,8 +254,9 @@ def _add_sass(record: dict[str, Any], cubin: bytes) -> None:
     """The kernel's instruction count and the size of its MMA loops' bodies (see :mod:`.sass`)."""
     sass = disassemble(cubin)
     if sass is not None:
-        record["sass_instructions"] = len(instructions(sass)[0])
-        record["mma_loop_instructions"] = [loop["instructions"] for loop in mma_loops(sass)]
+        found, labels = instructions(sass)
+        record["sass_instructions"] = len(found)
+        record["mma_loop_instructions"] = [loop["instructions"] for loop in loops_of(found, labels)]
 
 
 # ld.global and its qualified forms (ld.volatile.global, ld.relaxed.gpu.global, ld.global.nc.L1::...)

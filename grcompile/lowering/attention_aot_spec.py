@@ -33,7 +33,9 @@ def _examples(dtypes, shapes=None) -> list[torch.Tensor]:
 
 
 def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
-    """One spec entry per (variant, kernel, arch, GUARDS) of ``seen`` (``attention.SEEN_VARIANTS``); a
+    """One spec entry per distinct compile (module, kernel, arch, signature, constexprs, launch
+    configuration) of ``seen`` (``attention.SEEN_VARIANTS``), with the calls of every seen key
+    that compiles to it; a
     variant the kernels cannot run (its score_mod has an op the generator does not know) gets an
     entry with ``error`` instead."""
     from .attention.triton import (Variant, _bucket, _kernel_signature, kernels_for, launch_config, split_interior,

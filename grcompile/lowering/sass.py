@@ -70,7 +70,11 @@ def instructions(sass: str) -> tuple[list[tuple[int, str, str]], dict[str, int]]
 def mma_loops(sass: str) -> list[dict]:
     """The loops carrying a tensor-core MMA, in code order: ``{"instructions": n, "mix": {opcode:
     count}}`` per loop (its body from the label to the backward branch, both included)."""
-    found, labels = instructions(sass)
+    return loops_of(*instructions(sass))
+
+
+def loops_of(found: list[tuple[int, str, str]], labels: dict[str, int]) -> list[dict]:
+    """:func:`mma_loops` of already parsed :func:`instructions`."""
     loops = []
     for address, opcode, operands in found:
         target = _BRANCH_TARGET.search(operands) if opcode == "BRA" else None
@@ -82,4 +86,4 @@ def mma_loops(sass: str) -> list[dict]:
     return [{k: v for k, v in loop.items() if k != "start"} for loop in sorted(loops, key=lambda x: x["start"])]
 
 
-__all__ = ["cuda_tool", "disassemble", "instructions", "mma_loops", "run_on_cubin"]
+__all__ = ["cuda_tool", "disassemble", "instructions", "loops_of", "mma_loops", "run_on_cubin"]

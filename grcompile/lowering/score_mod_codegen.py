@@ -39,12 +39,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .score_mod import ScoreMod
-from .score_mod_ranges import constant_wraps, propagate
+from .score_mod_ranges import MODELLED_KWARGS, constant_wraps, propagate
 
-# keyword arguments the handlers read (clamp bounds, a division's rounding, masked_fill's value,
-# a cast's dtype) or that do not change a value (where a tensor lives, how it is laid out)
-_KNOWN_KWARGS = {"min", "max", "rounding_mode", "value", "dtype", "device", "layout", "memory_format", "copy",
-                 "non_blocking", "requires_grad", "pin_memory"}
 _HEADS, _LQ, _LK = 2, 3, 5  # distinct example sizes: a node's shape names the axes it varies along
 
 
@@ -347,7 +343,7 @@ class _Gen:
             handler = None
         if handler is None:
             raise Unsupported(f"{_where(node)} is not an op the Triton score_mod generator knows")
-        unknown = sorted(set(node.kwargs) - _KNOWN_KWARGS)
+        unknown = sorted(set(node.kwargs) - MODELLED_KWARGS)
         if unknown:  # e.g. add(x, y, alpha=2): generating it without would change the value
             raise Unsupported(f"{_where(node)} has keyword arguments the generator does not model: {unknown}")
         if constant_wraps(list(node.args), lambda a: self.metas[a].dtype if isinstance(self.metas.get(a), torch.Tensor)
@@ -515,13 +511,11 @@ def _reflected(op: str) -> Callable:
     return handler
 
 
-def _unary(template: str, float_only: bool = True) -> Callable:
+def _unary(template: str) -> Callable:
     def handler(gen: _Gen, node: fx.Node, roles):
-        x = gen.arg(node.args[0])
+        x = gen.arg(node.args[0])  # converted as torch computes: torch.log(int) in float32
         if _op_name(node) in ("floor", "ceil") and x.dtype is not None and not x.dtype.is_floating_point:
             return gen.emit(x.expr, node, roles)  # an integer's floor is itself (no float32 round trip)
-        if float_only and x.dtype is not None and not x.dtype.is_floating_point:  # torch.log(int) is float32
-            x = Value(f"{x.expr}.to(tl.float32)", torch.float32, x.roles)
         return gen.emit(template.format(x=x.expr), node, roles)
     return handler
 
@@ -601,8 +595,7 @@ def _div(gen: _Gen, node: fx.Node, roles):
     if rounding is not None:
         raise Unsupported(f"{_where(node)}: division with rounding_mode={rounding!r}")
     a, b = (gen.arg(x) for x in node.args[:2])
-    fa = a.expr if (a.dtype is None or a.dtype.is_floating_point) else f"{a.expr}.to(tl.float32)"
-    return gen.emit(f"{fa} / {b.expr}", node, roles)
+    return gen.emit(f"{a.expr} / {b.expr}", node, roles)  # operands in the float dtype torch divides in
 
 
 def _is_float(*values: Value) -> bool:
@@ -651,7 +644,7 @@ def _mod(gen: _Gen, node: fx.Node, roles):
 
 def _log1p(gen: _Gen, node: fx.Node, roles):
     x = gen.arg(node.args[0])
-    xv = x.expr if x.dtype is None or x.dtype.is_floating_point else f"{x.expr}.to(tl.float32)"
+    xv = x.expr  # an integer arrives converted to the float dtype torch computes log1p in
     u = gen.fresh("u")
     gen.lines.append(f"{u} = 1.0 + {xv}")
     # log(u) * x / (u - 1): accurate for small x (Goldberg), exact when u == 1
@@ -684,17 +677,17 @@ _FUNCTIONS: dict[Any, Callable] = {
     operator.eq: _binary("=="), operator.ne: _binary("!="),
     operator.and_: _binary("&"), operator.or_: _binary("|"), operator.xor: _binary("^"),
     operator.mod: _mod, torch.remainder: _mod, torch.floor_divide: _floordiv,
-    operator.getitem: _getitem, operator.pow: _pow, operator.abs: _unary("tl.abs({x})", float_only=False),
+    operator.getitem: _getitem, operator.pow: _pow, operator.abs: _unary("tl.abs({x})"),
     torch.add: _binary("+"), torch.sub: _binary("-"), torch.mul: _binary("*"), torch.div: _div,
     torch.true_divide: _div, torch.neg: _neg, torch.where: _where_fn, torch.clamp: _clamp, torch.clip: _clamp,
     torch.clamp_min: _clamp, torch.clamp_max: _clamp, torch.minimum: _minmax("min"), torch.maximum: _minmax("max"),
     torch.min: _minmax("min"), torch.max: _minmax("max"), torch.full: _full,
     torch.zeros_like: _full_like(0), torch.ones_like: _full_like(1), torch.full_like: _full_like(None),
-    torch.log1p: _log1p, F.silu: _silu, torch.nn.functional.relu: _unary(_ANY_UNARY["relu"], float_only=False),
+    torch.log1p: _log1p, F.silu: _silu, torch.nn.functional.relu: _unary(_ANY_UNARY["relu"]),
     torch.pow: _pow, torch.masked_fill: _masked_fill, torch.lt: _binary("<"), torch.le: _binary("<="),
     torch.gt: _binary(">"), torch.ge: _binary(">="), torch.eq: _binary("=="), torch.ne: _binary("!="),
     torch.logical_and: _binary("&"), torch.logical_or: _binary("|"), torch.logical_not: _invert,
-    torch.abs: _unary(_ANY_UNARY["abs"], float_only=False), torch.relu: _unary(_ANY_UNARY["relu"], float_only=False),
+    torch.abs: _unary(_ANY_UNARY["abs"]), torch.relu: _unary(_ANY_UNARY["relu"]),
 }
 for _name, _tpl in _FLOAT_UNARY.items():
     _FUNCTIONS[getattr(torch, _name)] = _unary(_tpl)
@@ -703,7 +696,7 @@ _FUNCTIONS[torch.sigmoid] = _unary(_FLOAT_UNARY["sigmoid"])
 _METHODS: dict[str, Callable] = {
     "add": _binary("+"), "sub": _binary("-"), "mul": _binary("*"), "div": _div, "true_divide": _div,
     "__radd__": _reflected("+"), "__rsub__": _reflected("-"), "__rmul__": _reflected("*"),
-    "neg": _neg, "abs": _unary(_ANY_UNARY["abs"], float_only=False), "relu": _unary(_ANY_UNARY["relu"], float_only=False),
+    "neg": _neg, "abs": _unary(_ANY_UNARY["abs"]), "relu": _unary(_ANY_UNARY["relu"]),
     "float": _cast, "double": _cast, "long": _cast, "int": _cast, "half": _cast, "bfloat16": _cast,
     "bool": _cast, "to": _cast, "type": _cast, "type_as": _cast, "masked_fill": _masked_fill, "clamp": _clamp,
     "clamp_min": _clamp, "clamp_max": _clamp, "clip": _clamp, "log1p": _log1p, "pow": _pow,

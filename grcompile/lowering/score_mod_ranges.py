@@ -40,6 +40,11 @@ import torch.fx as fx
 Number = Union[int, float]
 Interval = tuple[Number, Number]
 
+# keyword arguments the ranges and the kernel generator model (clamp bounds, a division's
+# rounding, masked_fill's value, a cast's dtype) or that change no value (where a tensor lives,
+# how it is laid out); any other keyword (add's alpha, ...) is not modelled
+MODELLED_KWARGS = frozenset({"min", "max", "rounding_mode", "value", "dtype", "device", "layout", "memory_format",
+                             "copy", "non_blocking", "requires_grad", "pin_memory"})
 _MANTISSA = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
 _ULPS = {"div": 4, "transcendental": 8}
 _APPROX_ABS = 2.0 ** -20  # fast transcendental approximations err absolutely near zero
@@ -183,10 +188,6 @@ def constant_wraps(args: list, dtype_of: Callable[[Any], Optional[torch.dtype]])
     return any(not lo <= c <= hi for c in constants for lo, hi in ranges)
 
 
-def _kwargs_ok(node: fx.Node, allowed: tuple[str, ...]) -> bool:
-    return all(k in allowed for k in node.kwargs)
-
-
 def node_interval(node: fx.Node, meta: Any, get: Callable[[Any], Optional[Interval]],
                   dtype_of: Callable[[Any], Optional[torch.dtype]]) -> Optional[Interval]:
     """The interval of ``node``'s result (``meta``: its example value, for the dtype), given
@@ -203,8 +204,7 @@ def node_interval(node: fx.Node, meta: Any, get: Callable[[Any], Optional[Interv
         return whole
     if name == "getitem":  # a table lookup: anything the table holds
         return whole
-    if not _kwargs_ok(node, ("rounding_mode", "min", "max", "value", "dtype", "memory_format", "copy",
-                             "non_blocking")):
+    if not set(node.kwargs) <= MODELLED_KWARGS:
         return whole  # e.g. add(x, y, alpha=...): not modelled
     args = list(node.args)
     if constant_wraps(args, dtype_of):
@@ -353,4 +353,4 @@ def propagate(gm: fx.GraphModule, metas: Mapping[fx.Node, Any],
     return ranges
 
 
-__all__ = ["Interval", "constant_wraps", "dtype_range", "node_interval", "propagate"]
+__all__ = ["Interval", "MODELLED_KWARGS", "constant_wraps", "dtype_range", "node_interval", "propagate"]

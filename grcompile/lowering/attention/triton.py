@@ -116,17 +116,13 @@ def _dot(a, b, IEEE: tl.constexpr):
 # validated, kept by construction, so that a table index proven in range from the positions'
 # bounds (statically, or from max_len under GUARDS) stays in range whatever a caller passes;
 # without one they index nothing: loaded as they are.
-_LOAD_POSITIONS = {True: '''
+_LOAD_POSITIONS = '''
 
 @triton.jit
 def _load_positions(POS, tok, ok, POS_MAX):
-    return tl.minimum(tl.maximum(tl.load(POS + tok, mask=ok, other=0).to(tl.int32), 0), POS_MAX)
-''', False: '''
-
-@triton.jit
-def _load_positions(POS, tok, ok, POS_MAX):
-    return tl.load(POS + tok, mask=ok, other=0).to(tl.int32)
-'''}
+    pos = tl.load(POS + tok, mask=ok, other=0).to(tl.int32)
+    return {value}
+'''
 
 _FWD = '''
 
@@ -426,7 +422,7 @@ def _render(code: Optional[ScoreModCode], n_q: int, n_k: int, table_ranks: list[
         return {f"pair_{kind}": _BWD_PAIR.format(score_mod=sm, score_mod_backward=backward_lines, allowed=allowed)
                 for kind, allowed in (("interior", "PAIR"), ("edge", _MASKED))}
     key_blocks = [("0, full", True), ("full, hi", False)]  # fwd, bwd_q: see `full` in their source
-    src = _HEADER + _LOAD_POSITIONS[code is not None]
+    src = _HEADER + _LOAD_POSITIONS.format(value="tl.minimum(tl.maximum(pos, 0), POS_MAX)" if code else "pos")
     src += _FWD.format(extra_params=extra_params, load_q_sides=load_q, loops=_block_loops(
         _FWD_TILE, "n0", key_blocks, "0, hi", allowed_interior="PAIR", allowed_edge=_MASKED, load_k_sides=load_k,
         score_mod=sm))
