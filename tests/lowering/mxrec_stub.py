@@ -123,6 +123,11 @@ def relative_attn_bias_pos(rel_pos_bias, identity, past_valid_lens):
     _check(rel_pos_bias.dim() == 2 and rel_pos_bias.shape[0] == rel_pos_bias.shape[1], "rel_pos_bias must be [n, n]")
     _check(identity.shape == rel_pos_bias.shape, "identity must be shaped like rel_pos_bias")
     _check(rel_pos_bias.dtype in (torch.float32, torch.float16), "relative_attn_bias_pos: float32 / float16 only")
+    # README "(2s, 2s), 0 < s <= 4300", "0 < b <= 512"; the kernel reads rows with stride 2·(n // 2),
+    # so an odd n would be read skewed on an NPU: rejected here
+    n = rel_pos_bias.shape[0]
+    _check(n % 2 == 0 and 0 < n <= 8600, f"rel_pos_bias must be (2s, 2s) with 0 < s <= 4300, got ({n}, {n})")
+    _check(0 < len(past_valid_lens) <= 512, f"batch {len(past_valid_lens)} outside (0, 512]")
     _record("relative_attn_bias_pos", rel_pos_bias=rel_pos_bias, identity=identity,
             past_valid_lens=list(past_valid_lens))
     out = rel_pos_bias.unsqueeze(0).repeat(len(past_valid_lens), 1, 1)
@@ -138,6 +143,7 @@ def relative_attn_bias_time(timestamps, timestamps_weights, bucket_divisor):
     _record("relative_attn_bias_time", timestamps=timestamps, timestamps_weights=timestamps_weights,
             bucket_divisor=bucket_divisor)
     bs, s = timestamps.shape
+    _check(0 < bs <= 512 and 0 < s <= 4300, f"timestamps (b, s) = ({bs}, {s}): 0 < b <= 512, 0 < s <= 4300")
     layers = timestamps_weights.shape[0]
     ts = timestamps.unsqueeze(-1).repeat(1, 1, 2).reshape(bs, 2 * s)
     diff = ts.reshape(bs, 2 * s, 1) - ts.reshape(bs, 1, 2 * s)

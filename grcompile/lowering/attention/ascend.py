@@ -23,9 +23,12 @@ returns no gradient for its mask: when ``P`` depends on a float input (a float v
 factor), ``dP = (g·vᵀ) ⊙ silu(α·(q·kᵀ + β)) · out_scale`` is computed on the grid in plain torch
 (two dense ``[B, H, S, S]`` products) and pulled back the same way.
 Built-in biases: the position table goes through ``mxrec.relative_attn_bias_pos`` (a Toeplitz
-``[S, S]`` gathered from the table, zero ``identity``, ``past_valid_lens = min(len, S − 1)``), the
-time table through ``mxrec.relative_attn_bias_time`` (``[1, B, 2S, 2S]`` → ``[0, :, ::2, ::2]``),
-each only when its conditions below hold; otherwise that part is evaluated like any score_mod.
+``[S', S']`` gathered from the table, ``S'`` = S rounded up to even — the op's matrix is
+``(2s, 2s)`` and its kernel reads rows with stride ``2·(n // 2)`` — zero ``identity``,
+``past_valid_lens = min(len, S' − 1)``, the result sliced to ``[S, S]``), the time table through
+``mxrec.relative_attn_bias_time`` (timestamps rebased on their smallest, ``[1, B, 2S, 2S]`` →
+``[0, :, ::2, ::2]``), each only within the ops' limits (at most 512 rows; ``s ≤ 4300``) and
+when its conditions below hold; otherwise that part is evaluated like any score_mod.
 Invariant: values at every valid position equal the reference's (up to the kernel's rounding);
 anything mxrec cannot express runs the reference with a reason.
 
@@ -34,8 +37,10 @@ repeats the row's last real token (positions, side values), so a score_mod only 
 and never indexes out of range; those slots are outside the row and mxrec never reads them.
 
 Memory: the dense bias costs ``B·H·S²·itemsize(q)`` bytes (the custom mask of ``t = 3`` as much
-again, the time op's interleaved output ``4·B·S²·itemsize`` while it lives, and the score_mod's
-own temporaries on the grid); past ``DENSE_BIAS_MAX_BYTES`` per tensor the call falls back.
+again, the position op's output ``B·S'²·itemsize``, the time op's interleaved output
+``4·B·S²·itemsize`` while it lives, and the score_mod's own temporaries on the grid); past
+``DENSE_BIAS_MAX_BYTES`` for any one of those tensors the call falls back. A bias that is finite but overflows q's dtype once divided by ``α`` (fp16:
+``−1e4 / 0.125``) falls back too.
 :data:`NOTES` keeps, per score_mod key, how it was lowered and that cost (warned once).
 
 Source of the mxrec facts (Ascend/RecSDK on GitHub/gitcode, read through the code index):
@@ -72,10 +77,17 @@ those of the installed RecSDK (the schema has changed between releases: later te
 seqOffset)``); mask type 0 with no ``num_context``/``num_target`` is the plain lower triangle
 including the diagonal (per row, on row-local indices); the bias and mask are read at row-local
 ``[b, h, i, j]`` with row stride ``max_seq_len``; empty rows in the middle are fine; the time
-kernel's float32 ``log`` rounds like torch's on CPU (a bucket boundary could otherwise differ) and
-its upper clamp uses 128 buckets (so only ``num_buckets == 128`` maps); the time op takes float16 /
+kernel's upper clamp uses 128 buckets (so only ``num_buckets == 128`` maps); the time op takes float16 /
 float32 weights like the pos op; ``hstu_jagged_backward``'s ``d_attn_bias`` is zero outside the
 computed pairs (it is masked here anyway).
+
+Known difference: the time kernel computes the bucket as ``trunc(log(d) · (1 / 0.301))`` in float32
+(``relative_attn_bias_time.h``: ``Muls`` by the reciprocal), the reference as ``log(d) / 0.301``.
+The two round differently at a few gaps ``d`` (a review found five, e.g. 309279 s: bucket 42 there,
+41 in the reference), and the NPU's ``Log`` may itself round unlike torch's on CPU. At such a gap
+the bias takes the neighbouring bucket's weight — the class of difference any compiler's
+transcendental brings to a float-bucketed bias (the Triton kernel's ``log`` too), named here
+because it is known.
 """
 from __future__ import annotations
 
@@ -103,6 +115,9 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BIAS_OP_DTYPES = (torch.float32, torch.float16)  # relative_attn_bias_pos kernel variants
 MASK_TRIL, MASK_NONE, MASK_CUSTOM = 0, 2, 3
 TIME_BUCKETS, BUCKET_DIVISOR = 128, 0.301
+# relative_attn_bias_pos / _time: at most 512 rows; the time op's rows at most 4300 tokens, the
+# position op's matrix (2s, 2s) with s <= 4300 (its kernel reads rows with stride 2·(n // 2))
+BIAS_OP_MAX_BATCH, BIAS_OP_MAX_S = 512, 4300
 DENSE_BIAS_MAX_BYTES = 1 << 32  # per dense [B, H, S, S] tensor; larger calls run the reference
 
 NOTES: dict[str, str] = {}  # score_mod key -> how the Ascend lowering ran it (dense memory cost)
@@ -171,6 +186,21 @@ def _kind(node: fx.Node) -> Optional[str]:
     return None
 
 
+_OPERAND_KWARGS = {"input", "self", "other"}
+
+
+def _operands(node: fx.Node) -> Optional[list]:
+    """The operands of an affine op in positional order (keyword ``input`` / ``other`` placed),
+    or None when it has any other keyword (``alpha``, ``rounding_mode``, ``out``: not modelled)."""
+    if set(node.kwargs) - _OPERAND_KWARGS - {"inplace"} or node.kwargs.get("inplace"):
+        return None  # F.silu(x, inplace=False), as tracing records it, is kept
+    operands = list(node.args)
+    for name in ("input", "self", "other"):
+        if name in node.kwargs:
+            operands.append(node.kwargs[name])
+    return operands
+
+
 def _describe(node: fx.Node) -> str:
     target = node.target
     return target if isinstance(target, str) else getattr(target, "__name__", str(target))
@@ -206,12 +236,12 @@ def _analyse_graph(gm: fx.GraphModule) -> _Form:
                 raise AscendFallback("the score_mod returns more than the modified score")
             break
         kind = _kind(user)
-        operands = list(user.args) + list(user.kwargs.values())
+        operands = _operands(user)
+        if operands is None:  # a keyword that changes the value: not affine as written
+            kind, operands = None, list(user.args) + list(user.kwargs.values())
         others = [x for x in operands if x is not cur]
         if any(isinstance(x, fx.Node) and x in depends for x in others) or operands.count(cur) > 1:
             raise AscendFallback(f"the score_mod combines the score with itself ({_describe(user)})")
-        if kind in ("add", "sub") and "alpha" in user.kwargs:
-            kind = None
         if kind == "silu":
             if silu is not None:
                 raise AscendFallback("the score_mod applies SiLU twice")
@@ -220,12 +250,12 @@ def _analyse_graph(gm: fx.GraphModule) -> _Form:
             if kind == "add":
                 pass
             elif kind == "sub":
-                a = a if user.args[0] is cur else -a
+                a = a if operands[0] is cur else -a
             elif kind == "neg":
                 a = -a
             elif kind in ("mul", "div"):
                 c = _number(others[0]) if len(others) == 1 else None
-                if c is None or (kind == "div" and (user.args[0] is not cur or c == 0.0)):
+                if c is None or (kind == "div" and (operands[0] is not cur or c == 0.0)):
                     raise AscendFallback(f"the score_mod scales the score by a tensor or divides by it "
                                          f"({_describe(user)}); mxrec's alpha is a number")
                 a = a * c if kind == "mul" else a / c
@@ -233,7 +263,7 @@ def _analyse_graph(gm: fx.GraphModule) -> _Form:
                 raise AscendFallback(f"the score_mod applies {_describe(user)} to the score, which "
                                      "mxrec.hstu_jagged cannot express")
         else:  # after the activation: score-independent factors
-            if kind == "mul" or (kind == "div" and user.args[0] is cur):
+            if kind == "mul" or (kind == "div" and operands[0] is cur):
                 post = True
             else:
                 raise AscendFallback(f"the score_mod applies {_describe(user)} after its SiLU; mxrec "
@@ -350,13 +380,14 @@ def _mib(n: int) -> str:
     return f"{n} B"
 
 
-def _dense_cost(B: int, H: int, S: int, dtype: torch.dtype, what: str) -> int:
-    size = B * H * S * S * torch.empty((), dtype=dtype).element_size()
+def _dense_cost(costs: list, what: str, dims: str, shape: tuple, dtype: torch.dtype) -> None:
+    """Append ``(what, dims, bytes)`` of a dense tensor the lowering makes for mxrec; raise
+    AscendFallback when it is over :data:`DENSE_BIAS_MAX_BYTES`."""
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if size > DENSE_BIAS_MAX_BYTES:
-        raise AscendFallback(f"the {what} mxrec takes would be a dense [B, H, S, S] = [{B}, {H}, {S}, {S}] "
-                             f"tensor of {_mib(size)} (B·H·S²·itemsize), over DENSE_BIAS_MAX_BYTES = "
-                             f"{_mib(DENSE_BIAS_MAX_BYTES)}")
-    return size
+        raise AscendFallback(f"the {what} would be a dense {dims} = {list(shape)} tensor of {_mib(size)}, over "
+                             f"DENSE_BIAS_MAX_BYTES = {_mib(DENSE_BIAS_MAX_BYTES)}")
+    costs.append((what, dims, size))
 
 
 def _check_limits(q, k, v, offs: list[int], *, use_qk, activation, dropout_p, device, backward: bool) -> None:
@@ -400,10 +431,12 @@ def _builtin(key: str) -> Optional[tuple]:
     return None
 
 
-def _position_part(grid: _Grid, tables, table_max_len: int, table_index: int, dtype, why: list) -> torch.Tensor:
+def _position_part(grid: _Grid, tables, table_max_len: int, table_index: int, dtype, why: list,
+                   costs: list) -> torch.Tensor:
     """β[k_pos − q_pos + table_max_len − 1] on the grid, [B, 1|H, S, S]."""
     table = tables[table_index]
     device = grid.index.device
+    n = grid.S + grid.S % 2  # the op's matrix is (2s, 2s): an odd S gets one padding row and column
     reasons = []
     if not available(_POS, device):
         reasons.append("mxrec.relative_attn_bias_pos is not registered")
@@ -413,22 +446,27 @@ def _position_part(grid: _Grid, tables, table_max_len: int, table_index: int, dt
         reasons.append(f"rows of {grid.S} tokens exceed the table's max_len {table_max_len}")
     if dtype not in BIAS_OP_DTYPES:
         reasons.append(f"its kernel takes float32 / float16, not {dtype}")
+    if grid.B > BIAS_OP_MAX_BATCH or n > 2 * BIAS_OP_MAX_S:
+        reasons.append(f"{grid.B} rows of up to {grid.S} tokens: it takes at most {BIAS_OP_MAX_BATCH} rows and a "
+                       f"[2s, 2s] matrix with s <= {BIAS_OP_MAX_S}")
     if not reasons and not grid.contiguous_positions():
         reasons.append("positions are not consecutive within a row (it works on row-local indices)")
     if reasons:
         why.append("position bias evaluated on the grid: " + "; ".join(reasons))
         fn = _sm._relative_position(table_max_len, table_index)
         return fn(grid.positions[:, None, :, None], grid.positions[:, None, None, :], (), (), tuple(tables))
-    ar = torch.arange(grid.S, device=device)
-    rel = table[ar[None, :] - ar[:, None] + (table_max_len - 1)].to(dtype)  # [i, j] = β[j − i]
+    _dense_cost(costs, "position-bias output", "[B, S', S']", (grid.B, n, n), dtype)
+    ar = torch.arange(n, device=device)
+    # [i, j] = β[j − i]; the padding row and column (never read) clamped into the table
+    rel = table[(ar[None, :] - ar[:, None] + (table_max_len - 1)).clamp(0, 2 * table_max_len - 2)].to(dtype)
     identity = torch.zeros_like(rel)  # no diagonal override
-    past = [min(n, grid.S - 1) for n in grid.lengths]  # rows past it are padding: copying a row is harmless
+    past = [min(length, n - 1) for length in grid.lengths]  # rows past it are padding: copying a row is harmless
     why.append("position bias by mxrec.relative_attn_bias_pos")
-    return torch.ops.mxrec.relative_attn_bias_pos(rel, identity, past)[:, None]
+    return torch.ops.mxrec.relative_attn_bias_pos(rel, identity, past)[:, None, :grid.S, :grid.S]
 
 
 def _time_part(grid: _Grid, q_side, k_side, tables, num_buckets: int, side_index: int, table_index: int, dtype,
-               why: list) -> torch.Tensor:
+               why: list, costs: list) -> torch.Tensor:
     """table[bucket(|q_side − k_side|)] on the grid, [B, 1, S, S]."""
     table, qs, ks = tables[table_index], q_side[side_index], k_side[side_index]
     device = grid.index.device
@@ -440,20 +478,26 @@ def _time_part(grid: _Grid, q_side, k_side, tables, num_buckets: int, side_index
                        f"(table {tuple(table.shape)})")
     if dtype not in BIAS_OP_DTYPES:
         reasons.append(f"assumed float32 / float16 weights, not {dtype}")
+    if grid.B > BIAS_OP_MAX_BATCH or grid.S > BIAS_OP_MAX_S:
+        reasons.append(f"{grid.B} rows of up to {grid.S} tokens: it takes at most {BIAS_OP_MAX_BATCH} rows of "
+                       f"{BIAS_OP_MAX_S}")
     if qs.is_floating_point() or ks.is_floating_point():
         reasons.append("it takes integer timestamps")
     elif not reasons:
         if not (qs is ks or torch.equal(qs, ks)):
             reasons.append("its query side is the key side's timestamp (t_i − t_j); here the query side differs "
                            "(HSTU's next timestamp)")
-        elif qs.numel() and (int(qs.min()) < -2**31 or int(qs.max()) >= 2**31):
-            reasons.append("timestamps do not fit in int32")
+        elif qs.numel() and int(qs.max()) - int(qs.min()) >= 2**31:
+            # the kernel subtracts in int32: every difference must fit, not only every timestamp
+            reasons.append("timestamps span 2**31 or more (its int32 differences would wrap)")
     if reasons:
         why.append("time bias evaluated on the grid: " + "; ".join(reasons))
         fn = _sm._relative_time(num_buckets, side_index, table_index)
         return fn(grid.positions[:, None, :, None], grid.positions[:, None, None, :],
                   tuple(grid.q(t) for t in q_side), tuple(grid.k(t) for t in k_side), tuple(tables))
-    timestamps = qs[grid.index].to(torch.int32)  # [B, S]
+    _dense_cost(costs, "time-bias output", "[1, B, 2S, 2S]", (1, grid.B, 2 * grid.S, 2 * grid.S), dtype)
+    # rebased on the smallest: values in [0, 2**31) fit int32, differences unchanged
+    timestamps = (qs[grid.index] - qs.min()).to(torch.int32)  # [B, S]
     out = torch.ops.mxrec.relative_attn_bias_time(timestamps, table.reshape(1, -1).to(dtype), BUCKET_DIVISOR)
     why.append("time bias by mxrec.relative_attn_bias_time")
     return out[0, :, ::2, ::2][:, None]  # each timestamp appears twice: keep one of each pair
@@ -499,11 +543,11 @@ def _lower(q, k, v, offs, positions, q_side, k_side, tables, *, score_mod, use_q
     cdtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     builtin = _builtin(score_mod) if score_mod else None
     why: list[str] = []
-    cost = 0
+    costs: list[tuple[str, str, int]] = []
     if score_mod:
-        cost += _dense_cost(B, H, S, q.dtype, "bias")
+        _dense_cost(costs, "bias mxrec takes", "[B, H, S, S]", (B, H, S, S), q.dtype)
     if form.post:
-        cost += _dense_cost(B, H, S, q.dtype, "custom mask")
+        _dense_cost(costs, "custom mask mxrec takes", "[B, H, S, S]", (B, H, S, S), q.dtype)
 
     # b: the bias before the activation (mxrec's values), and with autograd for the backward
     live_b, live_post, leaves = None, None, []
@@ -522,12 +566,12 @@ def _lower(q, k, v, offs, positions, q_side, k_side, tables, *, score_mod, use_q
         kind, *args = builtin
         dtype = q.dtype
         if kind == "position":
-            b = _position_part(grid, tables, args[0], args[1], dtype, why)
+            b = _position_part(grid, tables, args[0], args[1], dtype, why, costs)
         elif kind == "time":
-            b = _time_part(grid, q_side, k_side, tables, *args, dtype, why)
+            b = _time_part(grid, q_side, k_side, tables, *args, dtype, why, costs)
         else:
-            b = (_position_part(grid, tables, args[0], 0, dtype, why).to(cdtype)
-                 + _time_part(grid, q_side, k_side, tables, args[1], 0, 1, dtype, why).to(cdtype))
+            b = (_position_part(grid, tables, args[0], 0, dtype, why, costs).to(cdtype)
+                 + _time_part(grid, q_side, k_side, tables, args[1], 0, 1, dtype, why, costs).to(cdtype))
         post = None
     else:
         if live_b is not None:  # the backward's evaluation gives the values too
@@ -547,6 +591,9 @@ def _lower(q, k, v, offs, positions, q_side, k_side, tables, *, score_mod, use_q
         if alpha != 1.0:
             b = b.to(cdtype) / alpha
         call.bias = b.to(q.dtype).expand(B, H, S, S).contiguous()
+        if bool(torch.isfinite(b).all()) and not bool(torch.isfinite(call.bias).all()):
+            raise AscendFallback(f"the bias divided by alpha = {alpha:g} overflows {q.dtype} (mxrec adds bias / alpha "
+                                 "to q·kᵀ in q's dtype)")
     if post is not None:
         post = post.detach()
         if post.dim() == 0:
@@ -559,9 +606,9 @@ def _lower(q, k, v, offs, positions, q_side, k_side, tables, *, score_mod, use_q
     if call.silu_scale == 0.0 or not math.isfinite(call.silu_scale):
         raise AscendFallback(f"silu_scale {call.silu_scale}: mxrec reads 0 as 1/max_seq_len")
     if score_mod:
-        item = torch.empty((), dtype=q.dtype).element_size()
-        call.how = (f"{'; '.join(why)}; dense [B, H, S, S] tensors for mxrec: {cost // (B * H * S * S * item)} "
-                    f"× B·H·S²·itemsize = {B}·{H}·{S}²·{item} B = {_mib(cost)} for this call")
+        tensors = ", ".join(f"{what} {dims} {_mib(size)}" for what, dims, size in costs)
+        call.how = (f"{'; '.join(why)}; dense tensors for mxrec (B = {B}, H = {H}, S = {S}): {tensors}; "
+                    f"{_mib(sum(size for _, _, size in costs))} for this call")
     return call
 
 

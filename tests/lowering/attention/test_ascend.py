@@ -190,7 +190,8 @@ def test_zoo_captured_score_mod(mxrec, valid_dtype):
                         out_scale=0.5)
     assert_same(fwd, bwd)
     check_hstu_call(mxrec.calls("hstu_jagged.equal")[0], offsets, mask_type=3, silu_scale=0.5, mask=True)
-    assert "dense [B, H, S, S] tensors for mxrec: 2 × B·H·S²·itemsize" in asc.NOTES[key]
+    assert ("dense tensors for mxrec (B = 4, H = 2, S = 8): bias mxrec takes [B, H, S, S] 2.0 KiB, "
+            "custom mask mxrec takes [B, H, S, S] 2.0 KiB; 4.0 KiB for this call") in asc.NOTES[key]
     # a float factor after SiLU gets its gradient from a dense grid product (mxrec returns none)
     check_hstu_call(mxrec.calls("hstu_jagged_backward.equal")[0], offsets, mask_type=3, silu_scale=0.5, mask=True)
     assert key not in OPS["jagged_attention_backward"].fallbacks
@@ -330,7 +331,7 @@ def test_size_limits(mxrec, monkeypatch, limit):
     fwd, bwd = run_both(q, k, v, offsets, positions, [], [], [torch.randn(2 * N - 1)], score_mod=key)
     assert_same(fwd, bwd)
     words = ("a row of 8 tokens: mxrec.hstu_jagged's max_seq_len is at most 6" if limit == "MAX_SEQ_LEN" else
-             "dense [B, H, S, S] = [2, 2, 8, 8] tensor of 1.0 KiB (B·H·S²·itemsize)")
+             "the bias mxrec takes would be a dense [B, H, S, S] = [2, 2, 8, 8] tensor of 1.0 KiB")
     assert words in OPS["jagged_attention"].fallbacks[key]
     assert mxrec.calls("hstu_jagged.equal") == []
 
@@ -354,7 +355,11 @@ def test_stub_rejects_what_mxrec_rejects(mxrec):
         torch.ops.mxrec.hstu_jagged.equal(q, k, v, attn_bias=torch.zeros(2, H, 4, 4), mask_type=0, max_seq_len=3,
                                           silu_scale=1.0, seq_offset=offsets)
     with pytest.raises(IndexError):  # past_valid_lens must stay inside the matrix (the golden indexes it)
-        torch.ops.mxrec.relative_attn_bias_pos(torch.zeros(3, 3), torch.zeros(3, 3), [3])
+        torch.ops.mxrec.relative_attn_bias_pos(torch.zeros(4, 4), torch.zeros(4, 4), [4])
+    with pytest.raises(RuntimeError, match=r"\(2s, 2s\)"):  # an odd matrix: its kernel would read it skewed
+        torch.ops.mxrec.relative_attn_bias_pos(torch.zeros(3, 3), torch.zeros(3, 3), [2])
+    with pytest.raises(RuntimeError, match="0 < b <= 512"):
+        torch.ops.mxrec.relative_attn_bias_time(torch.zeros(513, 2, dtype=torch.int32), torch.zeros(1, 129), 0.301)
 
 
 def test_bfloat16(mxrec):
@@ -371,3 +376,121 @@ def test_bfloat16(mxrec):
     [call] = mxrec.calls("hstu_jagged.equal")
     assert call["attn_bias"].dtype == torch.bfloat16
     assert mxrec.calls("relative_attn_bias_pos") == [] and mxrec.calls("relative_attn_bias_time") == []
+
+
+# --------------------------------------------------------------------------------------------
+# a review's cases (RecSDK's kernel and host sources simulated on the CPU, 2026-11-29)
+
+
+@pytest.mark.parametrize("lengths", [[7, 3], [5, 1, 5], [1], [1, 0]])
+def test_odd_longest_row_gets_an_even_position_matrix(mxrec, lengths):
+    """relative_attn_bias_pos's matrix is (2s, 2s): its kernel reads rows with stride 2·(n // 2),
+    so an odd S goes in padded to S + 1 and comes back sliced (the stub rejects an odd matrix)."""
+    q, k, v, offsets, positions, _ = batch(lengths, seed=12)
+    key = relative_position_bias_key(N)
+    fresh("jagged_attention", key)
+    fwd, bwd = run_both(q, k, v, offsets, positions, [], [], [torch.randn(2 * N - 1)], score_mod=key)
+    assert_same(fwd, bwd)
+    S = max(lengths)
+    pos = mxrec.calls("relative_attn_bias_pos")
+    assert len(pos) == 2 and tuple(pos[0]["rel_pos_bias"].shape) == (S + S % 2,) * 2
+    assert pos[0]["past_valid_lens"] == [min(n, S + S % 2 - 1) for n in lengths]
+
+
+def test_bias_ops_outside_their_limits_are_evaluated_on_the_grid(mxrec, monkeypatch):
+    """At most 512 rows for both ops, rows of at most 4300 tokens for the time op and a (2s, 2s)
+    matrix with s <= 4300 for the position op (lowered here so a small batch crosses them)."""
+    monkeypatch.setattr(asc, "BIAS_OP_MAX_BATCH", 2)
+    monkeypatch.setattr(asc, "BIAS_OP_MAX_S", 4)
+    key = hstu_rab_key(N, 128)
+    tables = [torch.randn(2 * N - 1), torch.randn(129)]
+    for lengths, pos_calls, time_calls in (([3, 2, 1], 0, 0), ([5, 3], 2, 0), ([4, 3], 2, 2)):
+        q, k, v, offsets, positions, ts = batch(lengths, seed=13)
+        mxrec.CALLS.clear()
+        fwd, bwd = run_both(q, k, v, offsets, positions, [ts], [ts], tables, score_mod=key)
+        assert_same(fwd, bwd)
+        assert len(mxrec.calls("relative_attn_bias_pos")) == pos_calls, lengths
+        assert len(mxrec.calls("relative_attn_bias_time")) == time_calls, lengths
+        if lengths == [5, 3]:
+            assert "time bias evaluated on the grid: 2 rows of up to 5 tokens: it takes at most 2 rows of 4" in \
+                asc.NOTES[key]
+
+
+def test_timestamps_spanning_int32_are_evaluated_on_the_grid(mxrec):
+    """The time kernel subtracts int32 timestamps: a span of 2**31 or more would wrap; timestamps
+    each past int32 but close together are rebased on their smallest and go to the op."""
+    lengths = [6, 8, 3]
+    q, k, v, offsets, positions, _ = batch(lengths, seed=14)
+    key = relative_time_bias_key(128)
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randint(-2_000_000_000, 2_000_000_000, (q.shape[0],), generator=g)
+    high = (1 << 40) + torch.randint(0, 1 << 20, (q.shape[0],), generator=g)
+    for stamps, op_calls in ((wide, 0), (high, 2)):
+        mxrec.CALLS.clear()
+        fwd, bwd = run_both(q, k, v, offsets, positions, [stamps], [stamps], [torch.randn(129)], score_mod=key)
+        assert_same(fwd, bwd)
+        assert len(mxrec.calls("relative_attn_bias_time")) == op_calls
+    assert "timestamps span 2**31 or more" not in asc.NOTES[key]  # the last call went to the op
+    mxrec.CALLS.clear()
+    run_both(q, k, v, offsets, positions, [wide], [wide], [torch.randn(129)], score_mod=key)
+    assert "timestamps span 2**31 or more (its int32 differences would wrap)" in asc.NOTES[key]
+
+
+def fp16_key_mask(score, q_pos, k_pos, k_side_0):
+    return score + torch.where(k_side_0 > 0.5, 0.0, -1e4)  # the usual fp16 additive mask
+
+
+def test_a_bias_overflowing_fp16_once_divided_by_alpha_falls_back(mxrec):
+    """mxrec adds bias / alpha in q's dtype: −1e4 / 0.125 is −inf in float16, and silu(−inf) NaN."""
+    q, k, v, offsets, positions, _ = batch([8, 5], seed=15, dtype=torch.float16)
+    valid = (torch.rand(q.shape[0], generator=torch.Generator().manual_seed(2)) > 0.3).float()
+    key = register_score_mod(fp16_key_mask)
+    fresh("jagged_attention", key)
+    kw = dict(score_mod=key, use_qk=True, activation="silu", scale=0.125, out_scale=1.0 / N, causal=True, max_len=N)
+    args = (q, k, v, offsets, positions, [], [valid], [], None)
+    with pytest.warns(UserWarning, match="reference implementation runs instead"):
+        out = asc.attention_ascend(*args, **kw)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref._attention_reference(*args, **kw))
+    assert "overflows torch.float16" in OPS["jagged_attention"].fallbacks[key]
+    assert mxrec.calls("hstu_jagged.equal") == []
+
+
+def halved_by_keywords(score, q_pos, k_pos):
+    return torch.div(input=score, other=2.0)
+
+
+def shifted_by_keywords(score, q_pos, k_pos):
+    return torch.sub(input=score, other=(k_pos - q_pos).float())
+
+
+@pytest.mark.parametrize("fn", [halved_by_keywords, shifted_by_keywords])
+def test_keyword_operands_are_read_as_operands(mxrec, fn):
+    q, k, v, offsets, positions, _ = batch([5, 8], seed=16)
+    key = register_score_mod(fx.symbolic_trace(fn), name=fn.__name__)
+    fresh("jagged_attention", key)
+    fwd, bwd = run_both(q, k, v, offsets, positions, [], [], [], score_mod=key)
+    assert_same(fwd, bwd)
+    assert key not in OPS["jagged_attention"].fallbacks
+    [call] = mxrec.calls("hstu_jagged.equal")
+    assert call["alpha"] == pytest.approx(0.5 if fn is halved_by_keywords else 1.0)
+
+
+def test_memory_counts_the_bias_ops_outputs(mxrec, monkeypatch):
+    """With one head the time op's [1, B, 2S, 2S] output is 4× the [B, H, S, S] bias: both are
+    in the note, and each is held to DENSE_BIAS_MAX_BYTES before its op runs."""
+    q, k, v, offsets, positions, ts = batch([8, 8, 3], seed=17, heads=1)
+    key = relative_time_bias_key(128)
+    args = (q, k, v, offsets, positions, [ts], [ts], [torch.randn(129)], None)
+    kw = dict(score_mod=key, use_qk=True, activation="silu", scale=1.0, out_scale=1.0 / N, causal=True, max_len=N)
+    asc.attention_ascend(*args, **kw)
+    assert ("bias mxrec takes [B, H, S, S] 768 B, time-bias output [1, B, 2S, 2S] 3.0 KiB; 3.8 KiB for this "
+            "call") in asc.NOTES[key]
+    monkeypatch.setattr(asc, "DENSE_BIAS_MAX_BYTES", 3 * 1 * 8 * 8 * 4)  # the bias fits exactly
+    fresh("jagged_attention", key)
+    mxrec.CALLS.clear()
+    with pytest.warns(UserWarning, match="reference implementation runs instead"):
+        torch.testing.assert_close(asc.attention_ascend(*args, **kw), ref._attention_reference(*args, **kw))
+    assert "the time-bias output would be a dense [1, B, 2S, 2S] = [1, 3, 16, 16] tensor of 3.0 KiB" in \
+        OPS["jagged_attention"].fallbacks[key]
+    assert mxrec.calls("relative_attn_bias_time") == []
