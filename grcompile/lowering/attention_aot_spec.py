@@ -46,13 +46,13 @@ def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
     cuda = torch.device("cuda")
     for key, calls in sorted(seen.items(), key=lambda kv: -kv[1]):
         score_mod, activation, causal, use_qk, dropout, dtype, dqk, dv, q_dtypes, k_dtypes, table_meta, \
-            (max_len, heads) = key
+            (max_len, heads), side_ranges = key
         q_sides, k_sides = _examples(q_dtypes), _examples(k_dtypes)
         tables = _examples(None, table_meta)
         config = dict(score_mod=score_mod.split("-")[0] or "none", activation=activation, causal=causal,
                       dropout=dropout, dtype=str(dtype).removeprefix("torch."), dqk=dqk, dv=dv, calls=calls)
         variant = Variant(score_mod, activation, causal, use_qk, dropout, tuple(q_dtypes), tuple(k_dtypes),
-                          tuple((tuple(shape), d) for shape, d in table_meta))
+                          tuple((tuple(shape), d) for shape, d in table_meta), tuple(side_ranges))
         try:
             module, code = kernels_for(variant, q_sides, k_sides, tables)
         except Unsupported as why:

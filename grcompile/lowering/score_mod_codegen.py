@@ -86,6 +86,7 @@ class ScoreModCode:
     # bit of the kernels' constexpr GUARDS, set at launch by :meth:`guard_bits`
     guards: list["Guard"] = field(default_factory=list)
     runtime_ranges: Optional[Callable[[int, int], dict]] = None  # (max_len, heads) -> node intervals
+    int32_sides: list[str] = field(default_factory=list)  # int64 sides ("qs0", "ks0") the kernel loads as int32
     _bits: dict = field(default_factory=dict)
 
     def guard_bits(self, max_len: int, heads: int) -> int:
@@ -198,8 +199,10 @@ def _where(node: fx.Node) -> str:
 
 
 class _Gen:
-    def __init__(self, gm: fx.GraphModule, metas: dict, code: ScoreModCode, q_sides, k_sides, tables):
+    def __init__(self, gm: fx.GraphModule, metas: dict, code: ScoreModCode, q_sides, k_sides, tables,
+                 side_ranges: tuple = ()):
         self.gm, self.metas, self.code = gm, metas, code
+        self.side_ranges = side_ranges
         self.values: dict[fx.Node, Value] = {}
         self.lines = code.forward
         self.tables: dict[fx.Node, int] = {}  # table placeholder / get_attr -> table slot
@@ -249,12 +252,18 @@ class _Gen:
         fixed += [(f"ks{i}", d, {"k"}) for i, d in enumerate(self.side_dtypes[1])]
         bounds = {"q_pos": (0, POSITION_BOUND), "k_pos": (0, POSITION_BOUND), "head": (0, HEAD_BOUND)}
         self.bounded = {expr: node for node, (expr, _, _) in zip(ph, fixed) if expr in bounds}
+        # int64 sides whose values the launch measured within an int32 class: loaded as int32
+        measured = dict(zip([f"qs{i}" for i in range(c.n_q_side)] + [f"ks{i}" for i in range(c.n_k_side)],
+                            self.side_ranges))
+        self.side_given = {node: measured[expr] for node, (expr, dtype, _) in zip(ph, fixed)
+                           if measured.get(expr) is not None and dtype == torch.int64}
+        c.int32_sides = sorted(expr for node, (expr, _, _) in zip(ph, fixed) if node in self.side_given)
         for node, (expr, dtype, roles) in zip(ph, fixed):
+            narrow = expr in bounds or node in self.side_given  # the template loads these as int32
             if dtype == torch.bool:  # bool tensors reach the kernel as uint8
                 expr = f"({expr} != 0)"
-            interval = bounds.get(expr, (0, 1) if dtype == torch.bool else None)
-            # the template loads positions and the head index as int32
-            self.values[node] = Value(expr, dtype, frozenset(roles), node, interval, narrow=expr in bounds)
+            interval = bounds.get(expr, self.side_given.get(node, (0, 1) if dtype == torch.bool else None))
+            self.values[node] = Value(expr, dtype, frozenset(roles), node, interval, narrow=narrow)
         for i, node in enumerate(ph[len(fixed):]):
             shape, dtype = self.table_meta[i]
             if shape == ():  # a 0-d tensor used as a number (e.g. the padded length held in a tensor)
@@ -298,9 +307,10 @@ class _Gen:
 
     def input_ranges(self, positions: tuple[int, int], heads: tuple[int, int]) -> dict:
         """Every node's interval with positions and the head index in these ranges (the score and
-        float sides unknown, integer sides their dtype's whole range)."""
+        float sides unknown, integer sides the launch's measured class or their dtype's whole range)."""
         given = {"q_pos": positions, "k_pos": positions, "head": heads}
-        return propagate(self.gm, self.metas, {node: given[expr] for expr, node in self.bounded.items()})
+        return propagate(self.gm, self.metas, {**self.side_given,
+                                               **{node: given[expr] for expr, node in self.bounded.items()}})
 
     def run(self) -> Value:
         self.placeholders()
@@ -884,8 +894,10 @@ class _Backward:
             raise Unsupported(f"{_where(node)} has no derivative rule in the Triton score_mod generator")
 
 
-def generate(mod: ScoreMod, q_sides, k_sides, tables, *, backward: bool) -> ScoreModCode:
-    """Triton source for ``mod`` on sides/tables with these dtypes and shapes (see the module docstring)."""
+def generate(mod: ScoreMod, q_sides, k_sides, tables, *, backward: bool, side_ranges: tuple = ()) -> ScoreModCode:
+    """Triton source for ``mod`` on sides/tables with these dtypes and shapes (see the module
+    docstring); ``side_ranges``: per side (query sides first), an interval within int32 its int64
+    values lie in (measured by the launch), or None."""
     gm = score_graph(mod, len(q_sides), len(k_sides), len(tables))
     code = ScoreModCode([n.name for n in gm.graph.nodes if n.op == "placeholder"], len(q_sides), len(k_sides),
                         len(tables), mod.head)
@@ -898,7 +910,7 @@ def generate(mod: ScoreMod, q_sides, k_sides, tables, *, backward: bool) -> Scor
         except Exception as error:  # noqa: BLE001
             raise Unsupported(f"the score_mod could not be evaluated on example shapes "
                               f"({type(error).__name__}: {str(error)[:200]})") from None
-    gen = _Gen(gm, metas, code, q_sides, k_sides, tables)
+    gen = _Gen(gm, metas, code, q_sides, k_sides, tables, tuple(side_ranges))
     try:
         out = gen.run()
     except Unsupported:

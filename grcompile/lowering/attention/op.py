@@ -9,6 +9,7 @@ import torch
 
 from .. import lookup, register_op
 from .reference import _attention_backward_reference, _attention_reference, _grad_placeholder
+from .side_ranges import int64_side_ranges
 from .validation import _check_dropout, _check_meta
 
 register_op("jagged_attention", reference=_attention_reference,
@@ -72,8 +73,8 @@ def lse_like(q: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 # (score_mod, activation, causal, use_qk, dropout, dtype, dqk, dv, q_side dtypes, k_side dtypes,
-# table (shape, dtype)s, (max_len, heads)) -> calls: the attention variants this process ran, whatever the kernel
-# (the bench compiles their Triton kernels ahead of time from this)
+# table (shape, dtype)s, (max_len, heads), side ranges) -> calls: the attention variants this process
+# ran, whatever the kernel (the bench compiles their Triton kernels ahead of time from this)
 SEEN_VARIANTS: dict[tuple, int] = {}
 
 
@@ -81,7 +82,8 @@ def note_variant(q, v, q_side, k_side, tables, *, score_mod: str, activation: st
                  dropout_p: float, max_len: int) -> None:
     key = (score_mod, activation, causal, use_qk, dropout_p > 0, q.dtype, int(q.shape[2]), int(v.shape[2]),
            tuple(t.dtype for t in q_side), tuple(t.dtype for t in k_side),
-           tuple((tuple(int(n) for n in t.shape), t.dtype) for t in tables), (int(max_len), int(q.shape[1])))
+           tuple((tuple(int(n) for n in t.shape), t.dtype) for t in tables), (int(max_len), int(q.shape[1])),
+           int64_side_ranges(q_side, k_side) if score_mod else ())
     SEEN_VARIANTS[key] = SEEN_VARIANTS.get(key, 0) + 1
 
 

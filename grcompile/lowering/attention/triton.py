@@ -45,6 +45,7 @@ from .. import autotune
 from ..autotune import TileTuner, device_cache_file
 from ..score_mod import get_score_mod
 from ..score_mod_codegen import HEAD_BOUND, POSITION_BOUND, ScoreModCode, Unsupported, generate
+from .side_ranges import int64_side_ranges
 
 _OP = "grcompile::jagged_attention"
 _ACT = {"identity": 0, "silu": 1, "softmax": 2}
@@ -389,6 +390,9 @@ class Variant:
     q_sides: tuple  # dtypes
     k_sides: tuple
     tables: tuple  # (shape, dtype) per table: the generated code drops the lookups' guards the sizes prove
+    # per side (query sides first): the int32 interval the call's int64 values lie in, or None
+    # (side_ranges.int64_side_ranges); the generated code computes with those sides in int32
+    side_ranges: tuple = ()
 
 
 def _render(code: Optional[ScoreModCode], n_q: int, n_k: int, table_ranks: list[int]) -> str:
@@ -411,10 +415,12 @@ def _render(code: Optional[ScoreModCode], n_q: int, n_k: int, table_ranks: list[
     # table gradients only in bwd_kv, so each pair adds once
     backward_q = _indent([line for line in backward if not line.startswith("tl.atomic_add")], 8)
 
+    narrow = set(code.int32_sides) if code else set()
+
     def loads(prefix: str, n: int, axis: str, mask: str, tok: str, spaces: int) -> str:
         sl = "[:, None]" if axis == "q" else "[None, :]"
         return _indent([f"{prefix.lower()}{i} = tl.load({prefix}{i} + {tok}, mask={mask}, other=0){sl}"
-                        for i in range(n)], spaces)
+                        + (".to(tl.int32)" if f"{prefix.lower()}{i}" in narrow else "") for i in range(n)], spaces)
     load_q = loads("QS", n_q, "q", "q_ok", "q_tok", 4)
     load_k = loads("KS", n_k, "k", "k_ok", "k_tok", 8)
 
@@ -478,7 +484,8 @@ def kernels_for(variant: Variant, q_sides, k_sides, tables):
     if hit is None:
         code = None
         if variant.score_mod:
-            code = generate(get_score_mod(variant.score_mod), q_sides, k_sides, tables, backward=True)
+            code = generate(get_score_mod(variant.score_mod), q_sides, k_sides, tables, backward=True,
+                            side_ranges=variant.side_ranges)
         ranks = [t.dim() for t in tables] + ([c.dim() for c in code.constants] if code else [])
         module = _load_module(_render(code, len(q_sides), len(k_sides), ranks))
         hit = _MODULES[variant] = (module, code)
@@ -581,9 +588,11 @@ def _side_args(q_side, k_side, tables) -> list:
     return [*(_as_kernel_input(t.contiguous()) for t in (*q_side, *k_side)), *_table_args(tables)]
 
 
-def _variant(q, q_side, k_side, tables, score_mod, activation, causal, use_qk, dropout) -> Variant:
+def _variant(q_side, k_side, tables, score_mod, activation, causal, use_qk, dropout) -> Variant:
+    """The variant of a call; without a score_mod the sides are unused and not measured."""
     return Variant(score_mod, activation, causal, use_qk, dropout, tuple(t.dtype for t in q_side),
-                   tuple(t.dtype for t in k_side), tuple((tuple(t.shape), t.dtype) for t in tables))
+                   tuple(t.dtype for t in k_side), tuple((tuple(t.shape), t.dtype) for t in tables),
+                   int64_side_ranges(q_side, k_side) if score_mod else ())
 
 
 def _check_supported(q: torch.Tensor, v: torch.Tensor, tables, max_len: int) -> None:
@@ -767,7 +776,7 @@ def _prepare(q, k, v, q_side, k_side, tables, *, score_mod, use_qk, activation, 
     variant's kernels; raises TritonFallback / Unsupported when the kernels cannot run this call."""
     _check_supported(q, v, tables, max_len)
     q, k, v = _at_launch_width(q), _at_launch_width(k), _at_launch_width(v)
-    variant = _variant(q, q_side, k_side, tables, score_mod, activation, causal, use_qk, dropout_p > 0)
+    variant = _variant(q_side, k_side, tables, score_mod, activation, causal, use_qk, dropout_p > 0)
     module, code = kernels_for(variant, q_side, k_side, tables)
     # contiguous: the gradient buffers are, and a lookup's offset uses the table's strides for both
     all_tables = [t.contiguous() for t in tables] + [c.to(q.device).contiguous() for c in
@@ -958,15 +967,18 @@ def _aot_time_bucket_per_head(score, q_pos, k_pos, head, q_side_0, k_side_0, tab
 def aot_cases() -> dict[str, tuple]:
     """The score_mods of the AOT report, by model: ``(score_mod key, activation, use_qk, dropout,
     q_sides, k_sides, tables)`` — SASRec (none, softmax, dropout), HSTU (relative position +
-    time-bucket tables, SiLU), FuXi-α's positional channel (no q·k) and a zoo-style per-head
-    time-bucket table."""
+    time-bucket tables, SiLU) on timestamps in seconds (the variant with int32 time gaps, see
+    :mod:`.side_ranges`) and in milliseconds (int64), FuXi-α's positional channel (no q·k) and a
+    zoo-style per-head time-bucket table. The sides' values choose the variant, as at a launch."""
     from ..score_mod import hstu_rab_key, register_score_mod, relative_position_bias_key
     N, H = AOT_TOKENS, AOT_HEADS
-    stamps = torch.zeros(4, dtype=torch.int64)
+    stamps = torch.tensor([1_700_000_000, 1_700_086_400])
+    milliseconds = stamps * 1000
+    hstu_tables = [torch.zeros(2 * N - 1), torch.zeros(129)]
     return {
         "sasrec": ("", "softmax", True, True, [], [], []),
-        "hstu": (hstu_rab_key(N, 128), "silu", True, False, [stamps], [stamps],
-                 [torch.zeros(2 * N - 1), torch.zeros(129)]),
+        "hstu": (hstu_rab_key(N, 128), "silu", True, False, [stamps], [stamps], hstu_tables),
+        "hstu_ms": (hstu_rab_key(N, 128), "silu", True, False, [milliseconds], [milliseconds], hstu_tables),
         "fuxi_positional": (relative_position_bias_key(N), "identity", False, False, [], [], [torch.zeros(2 * N - 1)]),
         "time_bucket_per_head": (register_score_mod(_aot_time_bucket_per_head), "softmax", True, True,
                                  [stamps], [stamps], [torch.zeros(128, H)]),
@@ -1011,8 +1023,7 @@ def case_aot_config(case: tuple, kernel: str, arch: str, d: int, tile: Optional[
     """:func:`aot_config` of one ``(score_mod key, activation, use_qk, dropout, q_sides, k_sides,
     tables)`` case (the shape of :func:`aot_cases`' values)."""
     key, activation, use_qk, dropout, q_sides, k_sides, tables = case
-    variant = Variant(key, activation, True, use_qk, dropout, tuple(t.dtype for t in q_sides),
-                      tuple(t.dtype for t in k_sides), tuple((tuple(t.shape), t.dtype) for t in tables))
+    variant = _variant(q_sides, k_sides, tables, key, activation, True, use_qk, dropout)  # sides: as their values
     module, code = kernels_for(variant, q_sides, k_sides, tables)
     all_tables = list(tables) + list(code.constants if code else [])
     plain = not key and not dropout
@@ -1038,10 +1049,12 @@ def case_aot_config(case: tuple, kernel: str, arch: str, d: int, tile: Optional[
 
 
 # (model, head width, heads) of the AOT report: the bf16 training dtype (fp32 runs the same kernels
-# without tensor cores), head widths 64 and 128; and the original SASRec's one head of width 50,
-# launched at width 64 (launch_width) and specialised differently (H = 1 a constant)
+# without tensor cores), head widths 64 and 128 (HSTU on millisecond timestamps at 128); and the
+# original SASRec's one head of width 50, launched at width 64 (launch_width) and specialised
+# differently (H = 1 a constant)
 AOT_REPORT = (("sasrec", 64, AOT_HEADS), ("hstu", 128, AOT_HEADS), ("hstu", 64, AOT_HEADS),
-              ("fuxi_positional", 64, AOT_HEADS), ("time_bucket_per_head", 64, AOT_HEADS), ("sasrec", 50, 1))
+              ("hstu_ms", 128, AOT_HEADS), ("fuxi_positional", 64, AOT_HEADS), ("time_bucket_per_head", 64, AOT_HEADS),
+              ("sasrec", 50, 1))
 
 
 def aot_tune_configs() -> list[dict]:

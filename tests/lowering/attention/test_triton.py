@@ -629,7 +629,7 @@ def test_lookups_proven_in_range_by_max_len_run_unguarded_and_longer_rows_stay_c
     gradients. With a longer max_len the guards are back and a row that indexes past the table
     raises as before."""
     args, kwargs = _case([9, 0, 1, 9, 4], 2, 8, 8, "silu", True, 0.0, "position", 3)
-    _, code = at.kernels_for(at._variant(args[0], args[5], args[6], args[7], kwargs["score_mod"], "silu", True, True,
+    _, code = at.kernels_for(at._variant(args[5], args[6], args[7], kwargs["score_mod"], "silu", True, True,
                                          False), args[5], args[6], args[7])
     assert code.guards and code.guard_bits(kwargs["max_len"], 2) == 0
     _assert_match(args, kwargs)
@@ -657,7 +657,7 @@ def test_a_backward_called_with_positions_outside_max_len_reads_and_writes_insid
     table = torch.tensor([1000.0, 0.5, -0.5, 0.25])[1:]  # a view: index -1 would read the 1000
     kwargs = dict(score_mod=key, use_qk=True, activation="silu", scale=0.5, out_scale=1.0, causal=False, max_len=T,
                   dropout_p=0.0)
-    _, code = at.kernels_for(at._variant(q, [], [], [table], key, "silu", False, True, False), [], [], [table])
+    _, code = at.kernels_for(at._variant([], [], [table], key, "silu", False, True, False), [], [], [table])
     assert not code.guards
     outside = at.attention_backward_triton(grad, q, k, v, offsets, torch.tensor([-1, 0, 1, 2]), [], [], [table],
                                            **kwargs)
@@ -755,7 +755,7 @@ def test_the_aot_spec_keeps_every_kernel_a_process_ran_and_merges_only_identical
     table = (((3,), torch.float32),)
 
     def seen(activation, causal, max_len):
-        return (key, activation, causal, True, False, torch.bfloat16, 64, 64, (), (), table, (max_len, 2))
+        return (key, activation, causal, True, False, torch.bfloat16, 64, 64, (), (), table, (max_len, 2), ())
     # two max_lens with the same GUARDS: one kernel, its calls summed; another activation: its own
     entries = spec_for_seen({seen("silu", False, 64): 3, seen("silu", False, 128): 2, seen("softmax", True, 64): 1},
                             archs=("sm_90",))
