@@ -22,6 +22,11 @@ for case in "hstu silu" "none silu" "none softmax" "hstu softmax"; do
       | tee -a "$LOG"
   done
 done
+# time gaps in int32 (epoch seconds, above) against int64 (milliseconds): the same HSTU kernels
+step attention kernels bias=hstu activation=silu autotune=0 timestamps=milliseconds
+GRCOMPILE_AUTOTUNE=0 timeout 100 python3 -m grcompile.bench.attention_kernel --tokens 8192 --heads 4 \
+  --head-dim 128 --dtype bf16 --bias hstu --activation silu --timestamps milliseconds \
+  --json "$OUT/attn-hstu-silu-tune0-ms.json" 2>&1 | tee -a "$LOG"
 # head widths that are not multiples of 16 run padded to one (launch_width): width 50 should time
 # like width 64, not far slower (before: 2-byte scalar loads, no pipelining; one head as SASRec)
 for width in 50 64; do

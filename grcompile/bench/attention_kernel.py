@@ -51,7 +51,9 @@ def _inputs(args, device: torch.device) -> tuple[tuple, dict]:
     if args.bias in ("hstu", "position"):
         position_table = (torch.randn(2 * N - 1, generator=gen) * 0.1).to(device)
         if args.bias == "hstu":
-            stamps = torch.cumsum(torch.randint(1, 600, (T,), generator=gen), 0).to(device)
+            # epoch seconds: the kernels' int32-gap variant; milliseconds: the int64 one (side_ranges.py)
+            stamps = 1_700_000_000 + torch.cumsum(torch.randint(1, 600, (T,), generator=gen), 0)
+            stamps = (stamps * (1000 if args.timestamps == "milliseconds" else 1)).to(device)
             q_side, k_side = [stamps], [stamps]
             tables = [position_table, (torch.randn(129, generator=gen) * 0.1).to(device)]
             key = hstu_rab_key(N, 128)
@@ -205,6 +207,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--bias", choices=("none", "position", "hstu"), default="hstu")
     p.add_argument("--activation", choices=("silu", "softmax"), default="silu")
     p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--timestamps", choices=("seconds", "milliseconds"), default="seconds",
+                   help="the HSTU bias's timestamps (seconds: time gaps computed in int32)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
