@@ -79,9 +79,9 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
     """
     opts = _merge_options(options, kwargs)
     remat_budget, remat_policy = _remat(opts["remat"])
-    if opts["backend"] is not None:
-        from .lowering import set_backend
-        set_backend(opts["backend"])
+    from .lowering import BACKENDS, set_backend
+    if opts["backend"] is not None and opts["backend"] not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {opts['backend']!r}")
     if opts["lowering"] not in LOWERINGS:
         raise ValueError(f"lowering must be one of {LOWERINGS}, got {opts['lowering']!r}")
     if opts["passes"] is None:
@@ -115,6 +115,8 @@ def optimize(model: torch.nn.Module, options: dict[str, Any] | None = None, **kw
     if opts["sparse"] is not None:
         state.counters["sparse.features"] = len(runtime.plan.features)
         state.counters["sparse.tables"] = len(runtime.plan.tables)
+    if opts["backend"] is not None:  # process-wide: set once every option is known to be valid
+        set_backend(opts["backend"])
     compiled = torch.compile(model, backend=GrcompileBackend(state), dynamic=opts["dynamic"],
                              fullgraph=opts["fullgraph"])
     # The failure policy applies to calls of this model only (capture/failures.py).

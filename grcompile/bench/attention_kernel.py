@@ -22,6 +22,8 @@ from typing import Any, Optional
 
 import torch
 
+from grcompile.lowering import triton_interpreting
+
 # dense bf16 tensor-core peaks (FLOP/s) by device name fragment; an unknown GPU gets no MFU
 PEAKS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -97,7 +99,7 @@ def run(args) -> dict[str, Any]:
 
     device = torch.device(args.device)
     interpreting = device.type == "cpu"
-    if interpreting and os.environ.get("TRITON_INTERPRET") != "1":
+    if interpreting and not triton_interpreting():
         raise SystemExit("on CPU the Triton kernels run only in the interpreter: set TRITON_INTERPRET=1 "
                          "(a smoke test, not a speed)")
     inputs, kwargs = _inputs(args, device)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any, Callable, Optional
@@ -33,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from grcompile.bench.attention_kernel import _peak, _time
+from grcompile.lowering import triton_interpreting
 
 
 def _inputs(T: int, D: int, width: int, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -64,7 +64,7 @@ def _projection(name: str, x: torch.Tensor, u: Optional[torch.Tensor], w: torch.
     from grcompile.lowering.norm.triton import gated_norm_triton
 
     device = x.device
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = triton_interpreting()
     M, K, N = x.shape[0], x.shape[1], w.shape[0]
     kw = dict(kind="layer", eps=1e-6)
     gemm = dict(out_dtype=torch.bfloat16, gemm_dtype=torch.bfloat16)
@@ -125,7 +125,7 @@ def _projection(name: str, x: torch.Tensor, u: Optional[torch.Tensor], w: torch.
 
 def run(args) -> dict[str, Any]:
     device = torch.device(args.device)
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type != "cuda" and not triton_interpreting():
         raise SystemExit("on CPU the Triton kernels run only in the interpreter: set TRITON_INTERPRET=1 "
                          "(a smoke test, not a speed)")
     cuda = device.type == "cuda"

@@ -46,6 +46,20 @@ BACKENDS = ("auto", "reference", "triton", "ascend")
 Kernel = Union[Callable, str, None]  # a callable, a lazy "module:attr" path, or empty
 
 
+@functools.lru_cache(maxsize=1)
+def triton_interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter in this process: as Triton decided when it
+    was imported (its own ``@triton.jit`` library functions are then interpreted), whatever
+    ``TRITON_INTERPRET`` says now: set after Triton was imported (``torch._dynamo`` imports it) it
+    would only make Triton crash."""
+    try:
+        import triton.language.standard as standard
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return False
+    return isinstance(standard.sum, InterpretedFunction)
+
+
 def _resolve(kernel: Kernel) -> Optional[Callable]:
     if isinstance(kernel, str):
         module, _, attr = kernel.partition(":")
@@ -68,10 +82,14 @@ class OpEntry:
         if backend == "reference":
             return "reference", self.reference
         slot = _DEVICE_SLOT.get(device_type) if backend == "auto" else backend
-        if slot == "triton" and device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            slot = None  # Triton runs CPU tensors only in its interpreter
+        why = None
+        if slot == "triton" and device_type == "cpu" and not triton_interpreting():
+            slot, why = None, ("Triton runs CPU tensors only in its interpreter, which is off in this process "
+                               "(set TRITON_INTERPRET=1 before importing torch)")
         kernel = _resolve(getattr(self, slot)) if slot else None
         if kernel is None:
+            if backend != "auto" and (self.triton is not None or self.ascend is not None):  # asked for by name
+                self.fallbacks[f"backend {backend}"] = why or f"the op has no {backend} kernel"
             return "reference", self.reference
         setattr(self, slot, kernel)
         return slot, kernel

@@ -27,8 +27,9 @@ def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
 
 
 def valid_lengths(valid: torch.Tensor) -> torch.Tensor:
-    """``valid [B, N]`` bool -> ``[B]`` int64 number of valid positions per row."""
-    return valid.sum(dim=1, dtype=torch.int64)
+    """``valid [B, N]`` bool -> ``[B]`` int64 number of valid positions per row (any other dtype:
+    its nonzero entries, as :func:`jagged_index` packs them)."""
+    return (valid if valid.dtype == torch.bool else valid != 0).sum(dim=1, dtype=torch.int64)
 
 
 def valid_to_offsets(valid: torch.Tensor) -> torch.Tensor:

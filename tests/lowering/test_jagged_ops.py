@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -739,3 +742,43 @@ def test_a_kernels_handoff_moves_only_the_call_dispatched_to_it() -> None:
         assert lowering.kernel_usage()["test_handoff"] == {"triton": 3, "reference": 3, "cublas": 3}
     finally:
         del lowering.OPS["test_handoff"]
+
+
+def test_a_backend_asked_for_by_name_that_cannot_run_says_why(monkeypatch) -> None:
+    """``backend="triton"`` on CPU tensors without Triton's interpreter, ``"ascend"`` for an op with
+    no Ascend kernel: the reference runs and the registry keeps why (report() shows it)."""
+    entry = lowering.OPS["gated_norm"]
+    monkeypatch.setattr(entry, "fallbacks", {})
+    monkeypatch.setattr(lowering, "triton_interpreting", lambda: False)
+    assert entry.kernel_for("cpu", "triton") == ("reference", entry.reference)
+    assert "only in its interpreter, which is off" in entry.fallbacks["backend triton"]
+    assert entry.kernel_for("cpu", "ascend") == ("reference", entry.reference)
+    assert entry.fallbacks["backend ascend"] == "the op has no ascend kernel"
+    assert entry.kernel_for("cpu", "auto")[0] == "reference" and len(entry.fallbacks) == 2  # auto: no note
+
+
+def test_the_interpreter_is_read_from_triton_not_from_the_environment_now() -> None:
+    """TRITON_INTERPRET set after Triton was imported (in compiled mode: ``torch._dynamo`` imports it) or
+    spelled ``true``: grcompile follows what Triton decided — the reference with a reason in the
+    first case, the interpreted kernels in the second — instead of crashing inside Triton."""
+    body = ("from grcompile import lowering\n"
+            "x = torch.randn(3, 8)\n"
+            "with lowering.use_backend('triton'):\n"
+            "    torch.ops.grcompile.gated_norm(x, None, kind='layer', eps=1e-5)\n"
+            "print(lowering.triton_interpreting(), dict(lowering.OPS['gated_norm'].calls),"
+            " lowering.OPS['gated_norm'].fallbacks.get('backend triton', ''))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for setting, expected in (("import torch, triton, os; os.environ['TRITON_INTERPRET'] = '1'\n",
+                               "False {'reference': 1} Triton runs CPU tensors only in its interpreter"),
+                              ("import os; os.environ['TRITON_INTERPRET'] = 'true'; import torch\n",
+                               "True {'triton': 1}")):
+        done = subprocess.run([sys.executable, "-c", setting + body], capture_output=True, text=True, env=env,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.startswith(expected), done.stdout
+
+
+def test_valid_lengths_count_what_jagged_index_packs() -> None:
+    for valid in (torch.tensor([[1, 1, 0], [2, 0, 0]]), torch.tensor([[0.5, 1.0, 0.0], [0.25, 0.0, 0.0]])):
+        assert lowering.jagged.valid_to_offsets(valid).tolist() == [0, 2, 3]
+        assert lowering.jagged.jagged_index(valid).numel() == 3

@@ -51,15 +51,16 @@ code is checked by compiling it (PTX, registers, spills), not by running it.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import triton_interpreting
 from ..norm import _check as _check_norm
-from ..norm.triton import AOT_ROWS, MAX_D, _meta as _norm_meta, _strides, _view3, aot_int_args, gated_norm_rows
+from ..norm.triton import (AOT_ROWS, MAX_D, _meta as _norm_meta, _note_fallback, _strides, _too_wide, _view3,
+                           aot_int_args, gated_norm_rows)
 from . import AMAX_FLOOR, FP8_DTYPE, _norm_quant_reference, _scaled_linear_reference, quantize_rowwise
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -153,17 +154,9 @@ def quantize_rows_triton(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _note_fallback(op: str, key: str, why: str) -> None:
-    """The reference runs this call; the registry keeps why, warned once per (op, key)."""
-    from .. import note_fallback
-    if note_fallback(op, key, why):
-        warnings.warn(f"grcompile::{op}: the Triton kernel does not run this call ({why}); the reference runs "
-                      "instead (same values, slower)", stacklevel=3)
-
-
 def _hw_e4m3(device: torch.device) -> bool:
     """Whether compiled code on ``device`` has FP8 (e4m3) conversions and tensor cores: sm_89+."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    return (device.type == "cuda" and not triton_interpreting()
             and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
@@ -179,8 +172,7 @@ def norm_quant_fp8_triton(x: torch.Tensor, u: Optional[torch.Tensor], *, kind: s
     """``[q, scale]`` of ``gated_norm(x, u)`` by :func:`norm_quant_fwd`; contiguous outputs."""
     _check_norm(x, u, kind, eps)
     D = x.shape[-1]
-    if D > MAX_D:
-        _note_fallback("norm_quant_fp8", f"D={D}", f"rows of D = {D} > {MAX_D} do not fit in registers")
+    if _too_wide("norm_quant_fp8", D):
         return [t.contiguous() for t in _norm_quant_reference(x, u, kind=kind, eps=eps)]
     n_rows = x.numel() // D if D else 0
     if n_rows == 0:  # nothing to launch (D = 0 still has rows: quantize_rowwise gives them its floor scale)
@@ -280,7 +272,7 @@ def scaled_linear_fp8_triton(q: torch.Tensor, scale: torch.Tensor, weight: torch
     """``round((q · scale) @ e4m3(weight)ᵀ + bias, gemm_dtype) + residual`` as ``out_dtype`` by :func:`scaled_fp8_gemm`:
     the e4m3 dot on sm_89+ and in the interpreter, the fp16-decoded one on sm_80 .. sm_88, the
     reference elsewhere (older GPUs, other devices; noted and warned once)."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = triton_interpreting()
     cc = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" and not interpreted else None
     if not interpreted and (cc is None or cc < (8, 0)):
         where = f"{q.device.type}" + (f" sm_{cc[0]}{cc[1]}" if cc else "")

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from .. import OPS, lookup, register_op
 
 KINDS = ("layer", "rms")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what torch's norms compute
 _OP = "grcompile::gated_norm"
 
 
@@ -38,8 +39,8 @@ def _check(x: torch.Tensor, u: Optional[torch.Tensor], kind: str, eps: float) ->
         raise ValueError(f"{_OP}: kind must be one of {KINDS}, got {kind!r}")
     if x.dim() < 1:
         raise ValueError(f"{_OP}: x must have at least one dim [..., D], got a scalar")
-    if not x.is_floating_point():
-        raise ValueError(f"{_OP}: x must be a floating tensor, got dtype {x.dtype}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"{_OP}: x must be float16, bfloat16, float32 or float64, got dtype {x.dtype}")
     if u is not None:
         if u.shape != x.shape:
             raise ValueError(f"{_OP}: u must have the shape of x {tuple(x.shape)}, got {tuple(u.shape)}")
@@ -147,7 +148,8 @@ def _backward(ctx, grad):
         (x,), u = ctx.saved_tensors, None
     # Decided when traced: a compiled graph keeps the choice it was traced with (also when the
     # AOTAutograd cache hands it to a later process running another backend; values agree).
-    if OPS["gated_norm"].kernel_for(x.device.type)[0] == "triton":
+    # A backward that is itself differentiated (create_graph) needs the plain-torch formula.
+    if not torch.is_grad_enabled() and OPS["gated_norm"].kernel_for(x.device.type)[0] == "triton":
         dx, *du = torch.ops.grcompile.gated_norm_backward(grad, x, u, kind=ctx.kind, eps=ctx.eps)
         return dx, (du[0] if du else None)
     dx, du = gated_norm_backward(grad, x, u, ctx.kind, ctx.eps)

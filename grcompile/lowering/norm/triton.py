@@ -23,6 +23,7 @@ statistics). Importing this module imports Triton.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -126,6 +127,20 @@ def _meta(D: int, n_rows: int, kind: str, dtype: torch.dtype, has_u: bool) -> di
                 num_warps=min(max(rows * block_d // 256, 1), 16 if block_d <= 8192 else 32))
 
 
+def _note_fallback(op: str, key: str, why: str) -> None:
+    """The reference runs this call; the registry keeps why, warned once per (op, key)."""
+    from .. import note_fallback
+    if note_fallback(op, key, why):
+        warnings.warn(f"grcompile::{op}: the Triton kernel does not run this call ({why}); the reference runs "
+                      "instead (same values, slower)", stacklevel=3)
+
+
+def _too_wide(op: str, D: int) -> bool:
+    if D > MAX_D:
+        _note_fallback(op, f"D={D}", f"rows of D = {D} > {MAX_D} do not fit in registers")
+    return D > MAX_D
+
+
 def _empty(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
@@ -134,7 +149,7 @@ def gated_norm_triton(x: torch.Tensor, u: Optional[torch.Tensor], *, kind: str, 
     """``u ⊙ norm(x)`` by :func:`gated_norm_fwd`; contiguous output."""
     _check(x, u, kind, eps)
     D = x.shape[-1]
-    if D > MAX_D:
+    if _too_wide("gated_norm", D):
         return _gated_norm_reference(x, u, kind=kind, eps=eps).contiguous()
     y = _empty(x)
     n_rows = x.numel() // D if D else 0
@@ -154,7 +169,7 @@ def gated_norm_backward_triton(grad: torch.Tensor, x: torch.Tensor, u: Optional[
     """``[dx]`` (``u`` None) or ``[dx, du]`` by :func:`gated_norm_bwd`; contiguous outputs."""
     _check(x, u, kind, eps)
     D = x.shape[-1]
-    if D > MAX_D:
+    if _too_wide("gated_norm_backward", D):
         return [g.contiguous() for g in gated_norm_backward(grad, x, u, kind, eps) if g is not None]
     dx, du = _empty(x), (None if u is None else _empty(u))
     outs = [dx] if du is None else [dx, du]

@@ -375,6 +375,11 @@ def test_optimize_backend_option_sets_the_process_kernel_backend():
 
     with pytest.raises(ValueError, match="backend must be one of"):
         grcompile.optimize(torch.nn.Linear(2, 2), backend="cuda")
+    before = preferred_backend()
+    with pytest.raises(ValueError, match="lowering must be one of"):  # a failed call changes nothing
+        grcompile.optimize(torch.nn.Linear(2, 2), backend="reference" if before != "reference" else "triton",
+                           lowering="no such lowering")
+    assert preferred_backend() == before
     try:
         grcompile.optimize(torch.nn.Linear(2, 2), backend="triton")
         assert preferred_backend() == "triton"

@@ -203,3 +203,41 @@ def test_opcheck_with_the_kernels(layout: str) -> None:
                               dict(kind="layer", eps=1e-6))
         torch.library.opcheck(torch.ops.grcompile.gated_norm_backward.default, (grad, x.detach(), None),
                               dict(kind="rms", eps=1e-6))
+
+
+def test_rows_too_wide_for_the_kernel_are_reported(monkeypatch) -> None:
+    """Rows wider than MAX_D run the reference, counted there, with the reason in the registry."""
+    monkeypatch.setattr(norm_triton, "MAX_D", 8)
+    for op in ("gated_norm", "gated_norm_backward"):
+        monkeypatch.setattr(OPS[op], "fallbacks", {})
+    before = OPS["gated_norm"].calls["reference"], OPS["gated_norm_backward"].calls["reference"]
+    with pytest.warns(UserWarning, match="rows of D = 9 > 8 do not fit in registers"):
+        check((3,), 9, torch.float32, "layer", True, "contiguous", "contiguous", 1e-5, 0)
+    assert (OPS["gated_norm"].calls["reference"], OPS["gated_norm_backward"].calls["reference"]) == \
+        (before[0] + 2, before[1] + 1)  # the forward: this check's reference run and the Triton call handed over
+    assert OPS["gated_norm_backward"].fallbacks == {"D=9": "rows of D = 9 > 8 do not fit in registers"}
+
+
+def test_a_float8_input_is_refused_by_name() -> None:
+    x = torch.randn(2, 4).to(torch.float8_e4m3fn)
+    for backend in ("triton", "reference"):
+        with use_backend(backend), pytest.raises(ValueError, match="x must be float16, bfloat16, float32 or float64"):
+            torch.ops.grcompile.gated_norm(x, None, kind="rms", eps=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_double_backward_under_the_triton_backend(kind: str) -> None:
+    """A backward that is differentiated itself (a gradient penalty) uses the plain-torch formula:
+    the kernel's backward op has no derivative of its own."""
+    g = torch.Generator().manual_seed(4)
+    x0, u0, w = (torch.randn(3, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    results = []
+    for backend in ("triton", "reference"):
+        x, u = x0.clone().requires_grad_(), u0.clone().requires_grad_()
+        with use_backend(backend):
+            y = torch.ops.grcompile.gated_norm(x, u, kind=kind, eps=1e-5)
+            dx, du = torch.autograd.grad((y * w).sum(), [x, u], create_graph=True)
+            penalty = dx.pow(2).sum() + du.pow(2).sum()
+            results.append(torch.autograd.grad(penalty, [x, u]))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want)
