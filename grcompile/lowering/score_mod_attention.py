@@ -22,6 +22,7 @@ import torch
 
 from . import lookup, register_op
 from .attention import note_variant
+from .attention.side_ranges import measured_sides
 from .jagged import dense_to_jagged, jagged_index, jagged_to_dense, padded_positions, valid_to_offsets
 from .score_mod import get_score_mod, register_score_mod  # noqa: F401 (re-exported for passes)
 from .semantics import declare
@@ -70,10 +71,11 @@ def _score_mod_attention_dense(q, k, v, valid, q_sides, k_sides, tables, seed, s
     composite, so its only implementation is this one on every backend."""
     index, qj, kj, vj, offsets, positions, qs, ks = _packed(q, k, v, valid, q_sides, k_sides)
     kwargs = _kwargs(q, valid, score_mod, normalize, causal, dropout_p)
+    with measured_sides(qs, ks, enabled=bool(score_mod)) as side_ranges:  # once, for the kernel too
+        out = lookup("jagged_attention", v.device.type)(qj, kj, vj, offsets, positions, qs, ks, list(tables), seed,
+                                                        **kwargs)
     note_variant(qj, vj, qs, ks, tables, score_mod=score_mod, activation=_ACTIVATION[normalize], causal=causal,
-                 use_qk=q is not None, dropout_p=dropout_p, max_len=kwargs["max_len"])
-    out = lookup("jagged_attention", v.device.type)(qj, kj, vj, offsets, positions, qs, ks, list(tables), seed,
-                                                    **kwargs)
+                 use_qk=q is not None, dropout_p=dropout_p, max_len=kwargs["max_len"], side_ranges=side_ranges)
     B, N = valid.shape
     return jagged_to_dense(out, index, B, N)
 

@@ -9,7 +9,7 @@ import torch
 
 from .. import lookup, register_op
 from .reference import _attention_backward_reference, _attention_reference, _grad_placeholder
-from .side_ranges import int64_side_ranges
+from .side_ranges import measured_sides
 from .validation import _check_dropout, _check_meta
 
 register_op("jagged_attention", reference=_attention_reference,
@@ -56,13 +56,14 @@ def jagged_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offs
     inputs; ``+inf`` on a query with no allowed key), which the backward reads instead of
     recomputing the forward; ``[0]`` for SiLU / identity, whose backward needs none."""
     impl = lookup("jagged_attention", q.device.type)
-    out, lse = impl(q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), seed, score_mod=score_mod,
-                    use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
-                    max_len=max_len, dropout_p=dropout_p, with_lse=True)
+    with measured_sides(q_side, k_side, enabled=bool(score_mod)) as side_ranges:  # once, for the kernel too
+        out, lse = impl(q, k, v, offsets, positions, list(q_side), list(k_side), list(tables), seed,
+                        score_mod=score_mod, use_qk=use_qk, activation=activation, scale=scale,
+                        out_scale=out_scale, causal=causal, max_len=max_len, dropout_p=dropout_p, with_lse=True)
     # after the call, whose checks reject malformed arguments with a ValueError (recording first
     # read q.shape[2] of a rank-2 q: an IndexError instead)
     note_variant(q, v, q_side, k_side, tables, score_mod=score_mod, activation=activation, causal=causal,
-                 use_qk=use_qk, dropout_p=dropout_p, max_len=max_len)
+                 use_qk=use_qk, dropout_p=dropout_p, max_len=max_len, side_ranges=side_ranges)
     return out, lse
 
 
@@ -79,11 +80,12 @@ SEEN_VARIANTS: dict[tuple, int] = {}
 
 
 def note_variant(q, v, q_side, k_side, tables, *, score_mod: str, activation: str, causal: bool, use_qk: bool,
-                 dropout_p: float, max_len: int) -> None:
+                 dropout_p: float, max_len: int, side_ranges: tuple) -> None:
+    """Count one call of this variant; ``side_ranges``: :func:`.side_ranges.measured_sides`'."""
     key = (score_mod, activation, causal, use_qk, dropout_p > 0, q.dtype, int(q.shape[2]), int(v.shape[2]),
            tuple(t.dtype for t in q_side), tuple(t.dtype for t in k_side),
            tuple((tuple(int(n) for n in t.shape), t.dtype) for t in tables), (int(max_len), int(q.shape[1])),
-           int64_side_ranges(q_side, k_side) if score_mod else ())
+           tuple(side_ranges) if score_mod else ())
     SEEN_VARIANTS[key] = SEEN_VARIANTS.get(key, 0) + 1
 
 
