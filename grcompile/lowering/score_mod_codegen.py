@@ -27,6 +27,7 @@ raises). Transcendentals use Triton's (a few ulps from torch's; a bucket boundar
 """
 from __future__ import annotations
 
+import ast
 import math
 import operator
 import os
@@ -608,9 +609,20 @@ def _div(gen: _Gen, node: fx.Node, roles):
     return gen.emit(f"{a.expr} / {b.expr}", node, roles)  # operands in the float dtype torch divides in
 
 
-def _is_float(*values: Value) -> bool:
-    return any(v.dtype.is_floating_point if v.dtype is not None else "." in v.expr or "e" in v.expr
+def _is_float(gen: _Gen, *values: Value) -> bool:
+    """Whether torch computes the node in a float dtype (the operands are converted to it); a
+    Python constant's text would mislead: ``tl.full([], 2147483648, tl.int64)`` has a dot."""
+    if gen.comp is not None:
+        return gen.comp.is_floating_point
+    return any(v.dtype.is_floating_point if v.dtype is not None else isinstance(_literal(v.expr), float)
                for v in values)
+
+
+def _literal(expr: str) -> Any:
+    try:
+        return ast.literal_eval(expr)
+    except (ValueError, SyntaxError):
+        return float(expr.split("'")[1]) if expr.startswith("float('") else None
 
 
 def _int_floor_parts(gen: _Gen, a: Value, b: Value) -> tuple[str, str]:
@@ -626,14 +638,14 @@ def _int_floor_parts(gen: _Gen, a: Value, b: Value) -> tuple[str, str]:
 
 def _floordiv(gen: _Gen, node: fx.Node, roles):
     a, b = (gen.arg(x) for x in node.args[:2])
-    if _is_float(a, b):
+    if _is_float(gen, a, b):
         return gen.emit(f"tl.floor({a.expr} / {b.expr})", node, roles)
     return gen.emit(_int_floor_parts(gen, a, b)[0], node, roles)
 
 
 def _truncdiv(gen: _Gen, node: fx.Node, roles):
     a, b = (gen.arg(x) for x in node.args[:2])
-    if _is_float(a, b):
+    if _is_float(gen, a, b):
         x = gen.fresh("x")
         gen.lines.append(f"{x} = {a.expr} / {b.expr}")
         return gen.emit(f"tl.where({x} < 0, tl.ceil({x}), tl.floor({x}))", node, roles)
@@ -645,7 +657,7 @@ def _truncdiv(gen: _Gen, node: fx.Node, roles):
 def _mod(gen: _Gen, node: fx.Node, roles):
     """torch.remainder / ``%``: the sign of the divisor (Python's), not C's fmod."""
     a, b = (gen.arg(x) for x in node.args[:2])
-    if _is_float(a, b):  # torch's: fmod (Triton's float %, exact), moved to the divisor's sign
+    if _is_float(gen, a, b):  # torch's: fmod (Triton's float %, exact), moved to the divisor's sign
         m = gen.fresh("m")
         gen.lines.append(f"{m} = {a.expr} % {b.expr}")
         return gen.emit(f"tl.where(({m} != 0) & (({m} < 0) != ({b.expr} < 0)), {m} + {b.expr}, {m})", node, roles)

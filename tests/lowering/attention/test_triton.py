@@ -799,3 +799,24 @@ def test_float_side_spellings_match_values_and_every_gradient(fn):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _assert_match(args, kwargs)
+
+
+def gap_floor_by_two_to_31(score, q_pos, k_pos, q_side_0, k_side_0):
+    return score + ((q_side_0 - k_side_0) // (2**31)).float()
+
+
+def gap_trunc_by_two_to_31(score, q_pos, k_pos, q_side_0, k_side_0):
+    return score + torch.div(q_side_0 - k_side_0, 2**31, rounding_mode="trunc").float()
+
+
+@pytest.mark.parametrize("fn", [gap_floor_by_two_to_31, gap_trunc_by_two_to_31])
+def test_integer_division_by_a_constant_beyond_int32_stays_integer(fn):
+    """The constant 2**31 is generated as ``tl.full([], 2147483648, tl.int64)``; whether the
+    division is an integer one comes from torch's dtype, not from the dot in that text (it was
+    computed in float32: off by one quotient, found by a review)."""
+    args, kwargs = _case([3, 2], 1, 8, 8, "silu", False, 0.0, "none", 0)
+    i32 = (1 << 31) - 1
+    q_side = [torch.tensor([0, i32, 1, i32 - 1, 0]).to(DEVICE)]
+    k_side = [torch.tensor([i32, 0, i32, 2, i32 - 3]).to(DEVICE)]
+    kwargs["score_mod"] = S.register_score_mod(fn)
+    _assert_match((*args[:5], q_side, k_side, [], args[8]), kwargs)
