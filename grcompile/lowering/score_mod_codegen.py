@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .score_mod import ScoreMod
-from .score_mod_ranges import MODELLED_KWARGS, constant_wraps, propagate
+from .score_mod_ranges import constant_wraps, propagate, unmodelled_kwargs
 
 _HEADS, _LQ, _LK = 2, 3, 5  # distinct example sizes: a node's shape names the axes it varies along
 
@@ -354,7 +354,7 @@ class _Gen:
             handler = None
         if handler is None:
             raise Unsupported(f"{_where(node)} is not an op the Triton score_mod generator knows")
-        unknown = sorted(set(node.kwargs) - MODELLED_KWARGS)
+        unknown = unmodelled_kwargs(node)
         if unknown:  # e.g. add(x, y, alpha=2): generating it without would change the value
             raise Unsupported(f"{_where(node)} has keyword arguments the generator does not model: {unknown}")
         if constant_wraps(list(node.args), lambda a: self.metas[a].dtype if isinstance(self.metas.get(a), torch.Tensor)

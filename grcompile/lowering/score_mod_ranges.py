@@ -45,6 +45,13 @@ Interval = tuple[Number, Number]
 # how it is laid out); any other keyword (add's alpha, ...) is not modelled
 MODELLED_KWARGS = frozenset({"min", "max", "rounding_mode", "value", "dtype", "device", "layout", "memory_format",
                              "copy", "non_blocking", "requires_grad", "pin_memory"})
+
+
+def unmodelled_kwargs(node: fx.Node) -> list[str]:
+    """The keyword arguments of ``node`` outside :data:`MODELLED_KWARGS`, except ``inplace=False``
+    (``F.silu(x)`` traced by ``torch.fx`` records it: the value it computes is the same)."""
+    return sorted(k for k, v in node.kwargs.items() if k not in MODELLED_KWARGS and not (k == "inplace" and v is False))
+
 _MANTISSA = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
 _ULPS = {"div": 4, "transcendental": 8}
 _APPROX_ABS = 2.0 ** -20  # fast transcendental approximations err absolutely near zero
@@ -204,7 +211,7 @@ def node_interval(node: fx.Node, meta: Any, get: Callable[[Any], Optional[Interv
         return whole
     if name == "getitem":  # a table lookup: anything the table holds
         return whole
-    if not set(node.kwargs) <= MODELLED_KWARGS:
+    if unmodelled_kwargs(node):
         return whole  # e.g. add(x, y, alpha=...): not modelled
     args = list(node.args)
     if constant_wraps(args, dtype_of):
@@ -353,4 +360,4 @@ def propagate(gm: fx.GraphModule, metas: Mapping[fx.Node, Any],
     return ranges
 
 
-__all__ = ["Interval", "MODELLED_KWARGS", "constant_wraps", "dtype_range", "node_interval", "propagate"]
+__all__ = ["Interval", "MODELLED_KWARGS", "constant_wraps", "unmodelled_kwargs", "dtype_range", "node_interval", "propagate"]

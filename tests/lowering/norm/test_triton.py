@@ -65,7 +65,10 @@ def check(shape, D, dtype, kind, gated, x_layout, u_layout, eps, seed) -> None:
     x = LAYOUTS[x_layout]((torch.randn(full, generator=g) * 3 + 1).to(dtype))
     u = LAYOUTS[u_layout](torch.randn(full, generator=g).to(dtype)) if gated else None
     w = torch.randn(full, generator=g)
+    handed = OPS["gated_norm"].calls["reference"], OPS["gated_norm_backward"].calls["reference"]
     y, grads = run("triton", x, u, kind, eps, w)
+    if D <= norm_triton.MAX_D:  # the kernels ran (a handoff would match the reference by construction)
+        assert (OPS["gated_norm"].calls["reference"], OPS["gated_norm_backward"].calls["reference"]) == handed
     y_ref, grads_ref = run("reference", x, u, kind, eps, w)
     assert y.is_contiguous() and y.shape == x.shape and y.dtype == x.dtype
     # half precision: the reference is torch's own half norm (the user's op), whose statistics can
