@@ -47,17 +47,22 @@ Kernel = Union[Callable, str, None]  # a callable, a lazy "module:attr" path, or
 
 
 @functools.lru_cache(maxsize=1)
-def triton_interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter in this process: as Triton decided when it
-    was imported (its own ``@triton.jit`` library functions are then interpreted), whatever
-    ``TRITON_INTERPRET`` says now: set after Triton was imported (``torch._dynamo`` imports it) it
-    would only make Triton crash."""
+def _triton_mode() -> Optional[str]:
+    """``"interpreter"`` or ``"compiled"`` as Triton decided when it was imported (its own
+    ``@triton.jit`` library functions are interpreted or not); None: Triton is not importable."""
     try:
         import triton.language.standard as standard
         from triton.runtime.interpreter import InterpretedFunction
     except ImportError:
-        return False
-    return isinstance(standard.sum, InterpretedFunction)
+        return None
+    return "interpreter" if isinstance(standard.sum, InterpretedFunction) else "compiled"
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter in this process, whatever ``TRITON_INTERPRET``
+    says now: set after Triton was imported (``torch._dynamo`` imports it) it would only make
+    Triton crash."""
+    return _triton_mode() == "interpreter"
 
 
 def _resolve(kernel: Kernel) -> Optional[Callable]:
@@ -84,7 +89,8 @@ class OpEntry:
         slot = _DEVICE_SLOT.get(device_type) if backend == "auto" else backend
         why = None
         if slot == "triton" and device_type == "cpu" and not triton_interpreting():
-            slot, why = None, ("Triton runs CPU tensors only in its interpreter, which is off in this process "
+            slot, why = None, ("Triton is not installed" if _triton_mode() is None else
+                               "Triton runs CPU tensors only in its interpreter, which is off in this process "
                                "(set TRITON_INTERPRET=1 before importing torch)")
         kernel = _resolve(getattr(self, slot)) if slot else None
         if kernel is None:

@@ -782,3 +782,11 @@ def test_valid_lengths_count_what_jagged_index_packs() -> None:
     for valid in (torch.tensor([[1, 1, 0], [2, 0, 0]]), torch.tensor([[0.5, 1.0, 0.0], [0.25, 0.0, 0.0]])):
         assert lowering.jagged.valid_to_offsets(valid).tolist() == [0, 2, 3]
         assert lowering.jagged.jagged_index(valid).numel() == 3
+
+
+def test_without_triton_the_reason_says_so(monkeypatch) -> None:
+    entry = lowering.OPS["gated_norm"]
+    monkeypatch.setattr(entry, "fallbacks", {})
+    monkeypatch.setattr(lowering, "_triton_mode", lambda: None)
+    assert entry.kernel_for("cpu", "triton") == ("reference", entry.reference)
+    assert entry.fallbacks["backend triton"] == "Triton is not installed"

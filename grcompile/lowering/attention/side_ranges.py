@@ -48,6 +48,8 @@ def _measure(sides: list[torch.Tensor]) -> tuple:
     if not slots:
         return tuple(ranges)
     tensors = [sides[s[0]] for s in slots.values()]
+    if len({t.device for t in tensors}) > 1:  # the op's checks reject this call, by name
+        return tuple(ranges)
     if tensors[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return tuple(ranges)
     bounds = torch.stack([torch.stack([t.min(), t.max()]) for t in tensors]).tolist()  # one sync

@@ -127,17 +127,17 @@ def _meta(D: int, n_rows: int, kind: str, dtype: torch.dtype, has_u: bool) -> di
                 num_warps=min(max(rows * block_d // 256, 1), 16 if block_d <= 8192 else 32))
 
 
-def _note_fallback(op: str, key: str, why: str) -> None:
+def _note_fallback(op: str, key: str, why: str, stacklevel: int = 3) -> None:
     """The reference runs this call; the registry keeps why, warned once per (op, key)."""
     from .. import note_fallback
     if note_fallback(op, key, why):
         warnings.warn(f"grcompile::{op}: the Triton kernel does not run this call ({why}); the reference runs "
-                      "instead (same values, slower)", stacklevel=3)
+                      "instead (same values, slower)", stacklevel=stacklevel)
 
 
 def _too_wide(op: str, D: int) -> bool:
     if D > MAX_D:
-        _note_fallback(op, f"D={D}", f"rows of D = {D} > {MAX_D} do not fit in registers")
+        _note_fallback(op, f"D={D}", f"rows of D = {D} > {MAX_D} do not fit in registers", stacklevel=4)
     return D > MAX_D
 
 

@@ -44,6 +44,8 @@ def test_every_call_measures_its_sides_and_the_op_measures_once_per_call():
         assert int64_side_ranges([other], [stamps]) == (NON_NEGATIVE, NON_NEGATIVE)  # other tensors: measured
     with measured_sides([stamps], [], enabled=False) as ranges:
         assert ranges == (None,)
+    # sides on two devices are not measured (the op's checks reject the call by name)
+    assert int64_side_ranges([other], [other.to("meta")]) == (None, None)
 
 
 def test_inference_mode_and_threads():
