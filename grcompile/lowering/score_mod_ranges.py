@@ -360,4 +360,5 @@ def propagate(gm: fx.GraphModule, metas: Mapping[fx.Node, Any],
     return ranges
 
 
-__all__ = ["Interval", "MODELLED_KWARGS", "constant_wraps", "unmodelled_kwargs", "dtype_range", "node_interval", "propagate"]
+__all__ = ["Interval", "MODELLED_KWARGS", "constant_wraps", "unmodelled_kwargs", "dtype_range", "node_interval",
+           "propagate"]

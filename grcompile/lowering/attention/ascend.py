@@ -39,8 +39,8 @@ and never indexes out of range; those slots are outside the row and mxrec never 
 Memory: the dense bias costs ``B·H·S²·itemsize(q)`` bytes (the custom mask of ``t = 3`` as much
 again, the position op's output ``B·S'²·itemsize``, the time op's interleaved output
 ``4·B·S²·itemsize`` while it lives, and the score_mod's own temporaries on the grid); past
-``DENSE_BIAS_MAX_BYTES`` for any one of those tensors the call falls back. A bias that is finite but overflows q's dtype once divided by ``α`` (fp16:
-``−1e4 / 0.125``) falls back too.
+``DENSE_BIAS_MAX_BYTES`` for any one of those tensors the call falls back. A bias that is finite
+but overflows q's dtype once divided by ``α`` (fp16: ``−1e4 / 0.125``) falls back too.
 :data:`NOTES` keeps, per score_mod key, how it was lowered and that cost (warned once).
 
 Source of the mxrec facts (Ascend/RecSDK on GitHub/gitcode, read through the code index):
@@ -103,6 +103,7 @@ import torch.fx as fx
 from .. import note_fallback
 from .. import score_mod as _sm
 from ..score_mod import ScoreMod, get_score_mod
+from .side_ranges import value_bounds
 
 _OP = "grcompile::jagged_attention"
 
@@ -470,7 +471,7 @@ def _time_part(grid: _Grid, q_side, k_side, tables, num_buckets: int, side_index
     """table[bucket(|q_side − k_side|)] on the grid, [B, 1, S, S]."""
     table, qs, ks = tables[table_index], q_side[side_index], k_side[side_index]
     device = grid.index.device
-    reasons = []
+    reasons, first = [], 0
     if not available(_TIME, device):
         reasons.append("mxrec.relative_attn_bias_time is not registered")
     if num_buckets != TIME_BUCKETS or table.dim() != 1 or table.shape[0] != TIME_BUCKETS + 1:
@@ -487,9 +488,10 @@ def _time_part(grid: _Grid, q_side, k_side, tables, num_buckets: int, side_index
         if not (qs is ks or torch.equal(qs, ks)):
             reasons.append("its query side is the key side's timestamp (t_i − t_j); here the query side differs "
                            "(HSTU's next timestamp)")
-        elif qs.numel() and int(qs.max()) - int(qs.min()) >= 2**31:
-            # the kernel subtracts in int32: every difference must fit, not only every timestamp
-            reasons.append("timestamps span 2**31 or more (its int32 differences would wrap)")
+        elif qs.numel():
+            [[first, last]] = value_bounds([qs])
+            if last - first >= 2**31:  # the kernel subtracts in int32: every difference must fit
+                reasons.append("timestamps span 2**31 or more (its int32 differences would wrap)")
     if reasons:
         why.append("time bias evaluated on the grid: " + "; ".join(reasons))
         fn = _sm._relative_time(num_buckets, side_index, table_index)
@@ -497,7 +499,7 @@ def _time_part(grid: _Grid, q_side, k_side, tables, num_buckets: int, side_index
                   tuple(grid.q(t) for t in q_side), tuple(grid.k(t) for t in k_side), tuple(tables))
     _dense_cost(costs, "time-bias output", "[1, B, 2S, 2S]", (1, grid.B, 2 * grid.S, 2 * grid.S), dtype)
     # rebased on the smallest: values in [0, 2**31) fit int32, differences unchanged
-    timestamps = (qs[grid.index] - qs.min()).to(torch.int32)  # [B, S]
+    timestamps = (qs[grid.index] - first).to(torch.int32)  # [B, S]
     out = torch.ops.mxrec.relative_attn_bias_time(timestamps, table.reshape(1, -1).to(dtype), BUCKET_DIVISOR)
     why.append("time bias by mxrec.relative_attn_bias_time")
     return out[0, :, ::2, ::2][:, None]  # each timestamp appears twice: keep one of each pair

@@ -39,6 +39,11 @@ def _class_of(lo: int, hi: int) -> Optional[Interval]:
     return next((c for c in INT32_CLASSES if c[0] <= lo and hi <= c[1]), None)
 
 
+def value_bounds(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """``[min, max]`` of each (non-empty, integer, same-device) tensor, with one synchronisation."""
+    return torch.stack([torch.stack([t.min(), t.max()]) for t in tensors]).tolist()
+
+
 def _measure(sides: list[torch.Tensor]) -> tuple:
     ranges: list[Optional[Interval]] = [None] * len(sides)
     slots: dict[int, list[int]] = {}  # id of a side to measure -> its slots (one tensor may be several sides)
@@ -52,8 +57,7 @@ def _measure(sides: list[torch.Tensor]) -> tuple:
         return tuple(ranges)
     if tensors[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return tuple(ranges)
-    bounds = torch.stack([torch.stack([t.min(), t.max()]) for t in tensors]).tolist()  # one sync
-    for same, (lo, hi) in zip(slots.values(), bounds):
+    for same, (lo, hi) in zip(slots.values(), value_bounds(tensors)):
         for i in same:
             ranges[i] = _class_of(lo, hi)
     return tuple(ranges)
@@ -84,4 +88,4 @@ def measured_sides(q_side: Sequence[torch.Tensor], k_side: Sequence[torch.Tensor
         _IN_CALL.reset(token)
 
 
-__all__ = ["INT32_CLASSES", "int64_side_ranges", "measured_sides"]
+__all__ = ["INT32_CLASSES", "int64_side_ranges", "measured_sides", "value_bounds"]
