@@ -52,18 +52,60 @@ def _mutates(node: fx.Node) -> bool:
     return False
 
 
+# ops whose result may share memory with their (first) input: views, and conversions that return
+# the input itself when nothing changes (``x.long()`` of an int64 ``x``)
+_MAY_ALIAS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze", "transpose", "t",
+    "permute", "expand", "expand_as", "narrow", "select", "unbind", "split", "split_with_sizes", "chunk",
+    "tensor_split", "as_strided", "diagonal", "movedim", "moveaxis", "swapaxes", "swapdims", "unfold", "detach",
+    "contiguous", "real", "imag", "view_as_real", "view_as_complex", "getitem", "to", "type", "type_as", "long",
+    "int", "short", "byte", "char", "float", "double", "half", "bfloat16", "bool", "alias", "ravel", "T", "mT",
+    "H", "mH", "adjoint", "align_as", "rename", "refine_names", "cpu", "cuda"})
+
+
+def _may_alias_input(node: fx.Node) -> bool:
+    if node.op not in ("call_method", "call_function"):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:  # an aten overload says whether its output aliases an input
+        return any(r.alias_info is not None for r in schema.returns)
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name in _MAY_ALIAS
+
+
+def _alias_roots(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """Each node's alias class (a representative node): a view and what it views share one."""
+    parent: dict[fx.Node, fx.Node] = {}
+
+    def find(n: fx.Node) -> fx.Node:
+        while parent.get(n, n) is not n:
+            n = parent[n]
+        return n
+    for node in gm.graph.nodes:
+        if _may_alias_input(node):
+            for arg in node.all_input_nodes:
+                parent[find(node)] = find(arg)
+                break  # the viewed tensor is the first input
+    return {n: find(n) for n in gm.graph.nodes}
+
+
 def pin_checks(gm: fx.GraphModule) -> int:
     """Make every ``check_index`` dominate the other readers of its index: the check moves right
     after the index is defined and the readers consume its output (graph outputs and in-place
-    writers keep the original, whose identity they need). Returns the number of checks pinned."""
+    writers keep the original, whose identity they need). An index written in place anywhere in
+    the graph — itself or any view of the same memory — is left where it is: moved earlier, the
+    check would see values from before the write, and its readers would read that stale copy.
+    Returns the number of checks pinned."""
     pinned = 0
     last_placeholder = None
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             last_placeholder = node
+    roots = _alias_roots(gm)
+    written = {roots[a] for n in gm.graph.nodes if _mutates(n) for a in n.all_input_nodes}
     for check in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is CHECK_INDEX]:
         index = check.args[0]
-        if not isinstance(index, fx.Node) or any(_mutates(u) for u in index.users):
+        if not isinstance(index, fx.Node) or roots[index] in written:
             continue
         (last_placeholder if index.op == "placeholder" else index).append(check)
         index.replace_all_uses_with(check, delete_user_cb=lambda u: u is not check and u.op != "output")

@@ -63,7 +63,7 @@ def jagged_to_dense(values: torch.Tensor, valid_index: torch.Tensor, B: int, N: 
         raise ValueError(f"jagged_to_dense: values {tuple(values.shape)} and valid_index "
                          f"{tuple(valid_index.shape)} disagree on T")
     flat = values.new_full((B * N, *values.shape[1:]), padding_value)
-    return flat.index_copy(0, valid_index, values).reshape(B, N, *values.shape[1:])
+    return flat.index_copy(0, valid_index.long(), values).reshape(B, N, *values.shape[1:])
 
 
 def padded_positions(valid_index: torch.Tensor, N: int) -> torch.Tensor:
@@ -81,6 +81,7 @@ def row_of(offsets: torch.Tensor, T: int) -> torch.Tensor:
 
 def positions_in_row(offsets: torch.Tensor, T: int) -> torch.Tensor:
     """``[T]`` int64 jagged position of each value: its index among its row's valid values."""
+    offsets = offsets.long()
     tokens = torch.arange(T, device=offsets.device, dtype=offsets.dtype)
     return tokens - offsets.index_select(0, row_of(offsets, T))
 
@@ -88,7 +89,11 @@ def positions_in_row(offsets: torch.Tensor, T: int) -> torch.Tensor:
 def segment_softmax(values: torch.Tensor, rows: torch.Tensor, B: int, log: bool = False) -> torch.Tensor:
     """Softmax of ``values [T, *F]`` over the values of each row (``rows [T]``), per feature: the
     padded ``softmax(x, dim=seq)`` when the padded logits are masked out (−inf). A row whose
-    values are all −inf gives NaN, as the dense softmax does."""
+    values are all −inf gives NaN, as the dense softmax does. Half-precision values are
+    normalised in float32 (as torch's softmax accumulates them) and returned in their dtype."""
+    out_dtype = values.dtype
+    if out_dtype in (torch.float16, torch.bfloat16):
+        values = values.float()
     shape = (B, *values.shape[1:])
     idx = rows.reshape(-1, *[1] * (values.dim() - 1)).expand_as(values)
     # the shift only guards exp() against overflow; the result does not depend on it
@@ -96,7 +101,7 @@ def segment_softmax(values: torch.Tensor, rows: torch.Tensor, B: int, log: bool 
     shifted = values - top.index_select(0, rows)
     e = shifted.exp()
     total = values.new_zeros(shape).index_add(0, rows, e).index_select(0, rows)
-    return shifted - total.log() if log else e / total
+    return (shifted - total.log() if log else e / total).to(out_dtype)
 
 
 def pack(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

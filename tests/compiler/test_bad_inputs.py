@@ -250,6 +250,31 @@ def test_pin_checks_makes_every_reader_wait_for_the_check():
         gm(torch.tensor([[1, 5]]), w)
 
 
+@pytest.mark.parametrize("write", ["add_", "masked_fill_"])
+def test_pin_checks_leaves_an_index_written_through_a_view(write):
+    """``flat = ids.view(-1); flat.<write>(...)`` then a lookup of ``ids``: moved above the write,
+    the check would raise on ids the user fixed (``masked_fill_``) or its copy would be looked
+    up stale (``add_``, in range)."""
+    def f(ids, w):
+        flat = ids.view(-1)
+        if write == "add_":
+            flat.add_(1)
+        else:
+            flat.masked_fill_(flat >= 5, 0)
+        return torch.nn.functional.embedding(ids, w)
+
+    gm = fx.symbolic_trace(f)
+    emb = next(n for n in gm.graph.nodes if n.target is torch.nn.functional.embedding)
+    with gm.graph.inserting_before(emb):
+        gm.graph.call_function(CHECK_INDEX, (emb.args[0], 0, 5, "of w"))
+    gm.recompile()
+    assert pin_checks(gm) == 0
+    w, ids = torch.randn(5, 2), torch.tensor([[1, 3], [7, 0]] if write == "masked_fill_" else [[1, 3], [2, 0]])
+    got_ids, want_ids = ids.clone(), ids.clone()
+    torch.testing.assert_close(gm(got_ids, w), f(want_ids, w))
+    assert torch.equal(got_ids, want_ids)  # the caller's ids are written as in eager
+
+
 def test_check_index_opcheck():
     for index in (torch.tensor([[1, 2], [3, 0]]), torch.tensor([[1, 2], [3, 0]]).t(),
                   torch.tensor([2]).expand(3, 4), torch.zeros(0, 5, dtype=torch.long),

@@ -790,3 +790,26 @@ def test_without_triton_the_reason_says_so(monkeypatch) -> None:
     monkeypatch.setattr(lowering, "_triton_mode", lambda: None)
     assert entry.kernel_for("cpu", "triton") == ("reference", entry.reference)
     assert entry.fallbacks["backend triton"] == "Triton is not installed"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_segment_softmax_normalises_half_precision_in_float32(dtype):
+    """Summed in bf16, 2000 weights of one row added up to 1.75 (torch's softmax accumulates in
+    float32, and so does the jagged one now)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 2000, generator=g).to(dtype)
+    rows = torch.arange(2).repeat_interleave(2000)
+    got = J.segment_softmax(x.reshape(-1), rows, 2).reshape(2, 2000)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float().sum(1), torch.ones(2), rtol=0, atol=2e-3)
+    torch.testing.assert_close(got, torch.softmax(x, dim=1))
+    got_log = J.segment_softmax(x.reshape(-1), rows, 2, log=True).reshape(2, 2000)
+    torch.testing.assert_close(got_log, torch.log_softmax(x, dim=1))
+
+
+def test_jagged_helpers_take_int32_indices():
+    offsets = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    assert J.positions_in_row(offsets, 5).dtype == torch.int64
+    assert J.positions_in_row(offsets, 5).tolist() == [0, 1, 0, 1, 2]
+    values, index = torch.arange(3.0), torch.tensor([0, 3, 4], dtype=torch.int32)
+    assert J.jagged_to_dense(values, index, 2, 3).tolist() == [[0.0, 0.0, 0.0], [1.0, 2.0, 0.0]]
