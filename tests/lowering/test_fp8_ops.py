@@ -127,3 +127,5 @@ def test_bad_inputs_name_the_argument() -> None:
         torch.ops.grcompile.fp8_linear(x, None, w, None, None, norm="batch", eps=0.0, out_dtype=torch.float32)
     with pytest.raises(ValueError, match="x must be float32 / bfloat16 / float16"):
         torch.ops.grcompile.fp8_linear(x.double(), None, w, None, None, norm="none", eps=0.0, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="quantize_fp8: v must have at least one dimension"):
+        torch.ops.grcompile.quantize_fp8(torch.tensor(1.0))

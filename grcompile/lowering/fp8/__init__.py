@@ -96,13 +96,19 @@ register_op("norm_quant_fp8", reference=_norm_quant_reference,
 def quantize_fp8(v: torch.Tensor) -> list[torch.Tensor]:
     """``[q, scale]``: row-wise e4m3 values and float32 scales of ``v`` (plain torch everywhere:
     one elementwise pass any backend's compiler fuses)."""
-    _check_float("quantize_fp8", "v", v)
+    _check_quantizable(v)
     return [t.contiguous() for t in _quantize_reference(v)]
+
+
+def _check_quantizable(v: torch.Tensor) -> None:
+    _check_float("quantize_fp8", "v", v)
+    if v.dim() < 1:
+        _fail("quantize_fp8", "v must have at least one dimension (its rows are scaled along the last), got a 0-d tensor")
 
 
 @quantize_fp8.register_fake
 def _(v):
-    _check_float("quantize_fp8", "v", v)
+    _check_quantizable(v)
     return [v.new_empty(v.shape, dtype=FP8_DTYPE), v.new_empty((*v.shape[:-1], 1), dtype=torch.float32)]
 
 
