@@ -175,6 +175,21 @@ def _propagate(gm: fx.GraphModule, args) -> dict[fx.Node, Any]:
     return metas
 
 
+def graph_with_metas(mod: ScoreMod, q_sides, k_sides, tables) -> tuple[fx.GraphModule, dict[fx.Node, Any]]:
+    """``mod``'s graph (:func:`score_graph`) and each node's example value, a fake tensor of the
+    dtype torch computes (:class:`Unsupported` if it cannot be traced or evaluated)."""
+    gm = score_graph(mod, len(q_sides), len(k_sides), len(tables))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        try:
+            return gm, _propagate(gm, _example_inputs(gm, mod.head, q_sides, k_sides, tables, mode))
+        except Unsupported:
+            raise
+        except Exception as error:  # noqa: BLE001
+            raise Unsupported(f"the score_mod could not be evaluated on example shapes "
+                              f"({type(error).__name__}: {str(error)[:200]})") from None
+
+
 def _roles(node: fx.Node, meta: Any) -> frozenset:
     if not isinstance(meta, torch.Tensor):
         return frozenset()
@@ -910,18 +925,9 @@ def generate(mod: ScoreMod, q_sides, k_sides, tables, *, backward: bool, side_ra
     """Triton source for ``mod`` on sides/tables with these dtypes and shapes (see the module
     docstring); ``side_ranges``: per side (query sides first), an interval within int32 its int64
     values lie in (measured by the launch), or None."""
-    gm = score_graph(mod, len(q_sides), len(k_sides), len(tables))
+    gm, metas = graph_with_metas(mod, q_sides, k_sides, tables)
     code = ScoreModCode([n.name for n in gm.graph.nodes if n.op == "placeholder"], len(q_sides), len(k_sides),
                         len(tables), mod.head)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        try:
-            metas = _propagate(gm, _example_inputs(gm, mod.head, q_sides, k_sides, tables, mode))
-        except Unsupported:
-            raise
-        except Exception as error:  # noqa: BLE001
-            raise Unsupported(f"the score_mod could not be evaluated on example shapes "
-                              f"({type(error).__name__}: {str(error)[:200]})") from None
     gen = _Gen(gm, metas, code, q_sides, k_sides, tables, tuple(side_ranges))
     try:
         out = gen.run()
@@ -942,4 +948,4 @@ def generate(mod: ScoreMod, q_sides, k_sides, tables, *, backward: bool, side_ra
     return code
 
 
-__all__ = ["Unsupported", "ScoreModCode", "generate", "score_graph"]
+__all__ = ["Unsupported", "ScoreModCode", "generate", "graph_with_metas", "score_graph"]

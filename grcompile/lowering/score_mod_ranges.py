@@ -126,6 +126,18 @@ def _floor_div_int(a: Interval, b: Interval) -> Optional[Interval]:
     return min(quotients), max(quotients)
 
 
+def _trunc_div_int(a: Interval, b: Interval) -> Optional[Interval]:
+    if b[0] <= 0 <= b[1]:
+        return None
+    quotients = [_trunc_exact(x, y) for x in a for y in b]
+    return min(quotients), max(quotients)
+
+
+def _trunc_exact(x: int, y: int) -> int:
+    q = abs(x) // abs(y)
+    return q if (x >= 0) == (y > 0) else -q
+
+
 def _const(a: Any) -> Optional[Interval]:
     if isinstance(a, bool):
         return int(a), int(a)
@@ -240,7 +252,7 @@ def node_interval(node: fx.Node, meta: Any, get: Callable[[Any], Optional[Interv
         mode = node.kwargs.get("rounding_mode") if name in ("div", "true_divide") else \
             (None if name == "truediv" else "floor")
         if is_int:
-            math_iv = _floor_div_int(a, b) if mode == "floor" else None
+            math_iv = _floor_div_int(a, b) if mode == "floor" else _trunc_div_int(a, b) if mode == "trunc" else None
         else:
             q = _div(a, b)
             q = q and _rounded(q, dtype, _ULPS["div"])  # the quotient the kernel floors / truncates
@@ -249,6 +261,9 @@ def node_interval(node: fx.Node, meta: Any, get: Callable[[Any], Optional[Interv
             else:
                 f = math.floor if mode == "floor" else math.trunc
                 math_iv, exact = (f(q[0]), f(q[1])), True
+    elif name in ("remainder", "mod", "__mod__") and is_int and a and b and not b[0] <= 0 <= b[1]:
+        # torch's integer remainder takes the divisor's sign: [0, b) for b > 0, (b, 0] for b < 0
+        math_iv, exact = ((0, b[1] - 1) if b[0] > 0 else (b[0] + 1, 0)), True
     elif name == "neg" and a:
         math_iv, exact = (-a[1], -a[0]), True
     elif name == "abs" and a:
@@ -360,5 +375,34 @@ def propagate(gm: fx.GraphModule, metas: Mapping[fx.Node, Any],
     return ranges
 
 
-__all__ = ["Interval", "MODELLED_KWARGS", "constant_wraps", "unmodelled_kwargs", "dtype_range", "node_interval",
-           "propagate"]
+# integer ops whose result can leave its dtype (and then wraps in eager PyTorch): arithmetic,
+# shifts and casts; comparisons, min / max, clamp, where, lookups and bit masks cannot
+_MAY_LEAVE_DTYPE = frozenset({"add", "__radd__", "sub", "__rsub__", "mul", "__rmul__", "neg", "abs", "pow", "__pow__",
+                              "__rpow__", "floordiv", "floor_divide", "__floordiv__", "__rfloordiv__", "div",
+                              "true_divide", "lshift", "__lshift__", "bitwise_left_shift", "sum", "cumsum", *_CASTS})
+
+
+def may_wrap(gm: fx.GraphModule, metas: Mapping[fx.Node, Any],
+             ranges: Mapping[fx.Node, Optional[Interval]]) -> list[fx.Node]:
+    """The integer nodes of ``gm`` whose result is not proven to stay within its dtype (``ranges``:
+    :func:`propagate`'s): where eager PyTorch wraps around, and a compiler that assumes signed
+    overflow never happens (C++) may compute something else. Casts from a float or a wider
+    integer count; an integer op this analysis does not model counts if it can overflow at all."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        whole = dtype_range(_dtype(metas.get(node)))
+        if whole is None or whole == (0, 1) or _op_name(node) not in _MAY_LEAVE_DTYPE:
+            continue
+        if _op_name(node) in _CASTS and node.args:
+            source = dtype_range(_dtype(metas.get(node.args[0]))) if isinstance(node.args[0], fx.Node) else None
+            if source is not None and whole[0] <= source[0] and source[1] <= whole[1]:
+                continue  # from a narrower integer or bool: exact
+        if ranges.get(node) in (None, whole):
+            found.append(node)
+    return found
+
+
+__all__ = ["Interval", "MODELLED_KWARGS", "constant_wraps", "unmodelled_kwargs", "dtype_range", "may_wrap",
+           "node_interval", "propagate"]

@@ -20,6 +20,8 @@ from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
+from ..lowering.source_site import node_site
+
 __all__ = ["GraphPass", "PassContext", "PassResult", "copy_graph", "node_site", "pass_name", "run_pipeline",
            "substitute"]
 
@@ -62,26 +64,6 @@ def pass_name(p: Any) -> str:
     if name:
         return name
     return re.sub(r"(?<!^)(?=[A-Z])", "_", type(p).__name__).lower()
-
-
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-
-
-_IN_TORCH = re.compile(r"/site-packages/torch/|/torch/(nn|_dynamo|_ops|_tensor|functional)")
-
-
-def node_site(node: fx.Node | None) -> str:
-    """Short source location of ``node``: ``"hstu.py:30 in forward"`` from the innermost frame of
-    ``node.meta["stack_trace"]`` outside torch itself (the user's line, as Dynamo recorded it; a
-    traced ``F.rms_norm`` would otherwise point into torch/nn/functional.py), else the node name."""
-    if node is None:
-        return "<graph>"
-    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
-    if not frames:
-        return node.name
-    user = [f for f in frames if not _IN_TORCH.search(f[0].replace(chr(92), "/"))]
-    filename, line, fn = (user or frames)[-1]
-    return f"{filename.replace(chr(92), '/').rsplit('/', 1)[-1]}:{line} in {fn}"
 
 
 _MAX_ERROR = 200

@@ -101,7 +101,7 @@ def test_positions_bound_the_relative_index_only_when_the_launch_knows_them():
     gm, ranges = _ranges(relative_position, {"q_pos": (0, 99), "k_pos": (0, 99)}, POSITIONS)
     assert _output_range(ranges, gm) == (-36, 162)
     gm, ranges = _ranges(position_floor_div, {"q_pos": (0, 99), "k_pos": (0, 99)}, POSITIONS)
-    assert _output_range(ranges, gm) == INT64  # % is not modelled: unproven, never wrong
+    assert _output_range(ranges, gm) == (0, 4)  # torch's integer % takes the divisor's sign
 
 
 def test_a_float_side_that_may_be_nan_proves_nothing():
@@ -283,7 +283,8 @@ def test_underflow_to_zero_proves_no_logarithm():
 _OPS = ["{a}.abs()", "-{a}", "{a}.long()", "{a}.int()", "{a}.float()", "{a}.to(torch.int16)", "torch.log({a})",
         "torch.log2({a})", "torch.log1p({a})", "torch.exp({a})", "torch.sqrt({a})", "torch.floor({a})",
         "{a}.clamp({c}, {d})", "{a}.clamp(min={c})", "{a}.clamp_max({d})", "torch.where({a} < {c}, {d}, {a})",
-        "{a}.masked_fill({a} > {c}, {d})", "{a} // {c}", "torch.div({a}, {c}, rounding_mode='trunc')", "{a} / {c}",
+        "{a}.masked_fill({a} > {c}, {d})", "{a} // {c}", "{a} % {c}", "torch.remainder({a}, {b})",
+        "torch.div({a}, {c}, rounding_mode='trunc')", "{a} / {c}",
         "{a} * {c}", "{a} + {c}", "{c} - {a}", "{a} + {b}", "{a} - {b}", "{a} * {b}", "torch.minimum({a}, {b})",
         "torch.where({a} > {b}, {a}, {b})", "{a}.half()", "{a}.bfloat16()", "torch.sigmoid({a})"]
 _CONSTANTS = [0, 1, -1, 3, 0.5, 2.5, 100, 255, 2**24 + 1, 2**31, 0.301, 2.99999999, 16777217.0, 1e-3]

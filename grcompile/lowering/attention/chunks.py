@@ -217,7 +217,8 @@ COMPILE_CHUNKS = os.environ.get("GRCOMPILE_COMPILE_CHUNKS", "1") != "0"
 
 
 def _chunk_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activation: str, scale: float,
-                  out_scale: float, causal: bool, dropout_p: float, head_widths: tuple[int, int]) -> Callable:
+                  out_scale: float, causal: bool, dropout_p: float, head_widths: tuple[int, int],
+                  uncompiled: bool = False) -> Callable:
     """``_chunk_attention`` with its options (and ``dropout_p``, as a 0-d tensor) bound, compiled by
     inductor once per option set (dynamic shapes): the score_mod, mask and activation become one
     fused loop instead of a dozen eager passes over ``[n, H, Lq, Lk]`` (2x on the HSTU backward at
@@ -231,18 +232,20 @@ def _chunk_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activatio
     runs the plain eager chunk instead, and so do ``head_widths`` (q/k width, v width) with a 1:
     compiled, those aborted the process in the property tests
     (``test_compiled_chunks_match_padded_models_slow``; cause not found, see docs/lowering.md), so
-    they run eagerly until it is understood. One head is fine (300 examples)."""
+    they run eagerly until it is understood. One head is fine (300 examples). ``uncompiled``: run
+    the eager chunk (a score_mod whose integer arithmetic may overflow, see :mod:`.overflow`)."""
     mod = get_score_mod(score_mod) if score_mod else None
     p = torch.tensor(dropout_p, dtype=torch.float64)
     options = dict(mod=mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
                    dropout=dropout_p > 0)
     key = (score_mod, dtype, use_qk, activation, scale, out_scale, causal, dropout_p > 0)
-    return functools.partial(_compiled(_chunk_attention, key, options, head_widths, {}), dropout_p=p)
+    return functools.partial(_compiled(_chunk_attention, key, options, head_widths, {}, uncompiled), dropout_p=p)
 
 
 def _chunk_backward_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activation: str, scale: float,
                            out_scale: float, causal: bool, dropout_p: float, head_widths: tuple[int, int],
-                           table_grads: bool, stats: tuple[bool, bool] = (False, False)) -> Callable:
+                           table_grads: bool, stats: tuple[bool, bool] = (False, False),
+                           uncompiled: bool = False) -> Callable:
     """:func:`_chunk_backward` bound and compiled like :func:`_chunk_kernel`'s forward
     (``table_grads``: it computes gradients of score_mod tables, see :func:`_inductor_options`;
     ``stats``: whether it is given the forward's ``lse``, ``delta``: a graph of their own)."""
@@ -251,13 +254,14 @@ def _chunk_backward_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, 
     key = ("backward", score_mod, dtype, use_qk, activation, scale, out_scale, causal, dropout_p > 0, table_grads,
            stats)
     inductor_options = _inductor_options(score_mod) if table_grads else {}
-    return functools.partial(_compiled(_chunk_backward, key, options, head_widths, inductor_options),
+    return functools.partial(_compiled(_chunk_backward, key, options, head_widths, inductor_options, uncompiled),
                              dropout_p=torch.tensor(dropout_p, dtype=torch.float64))
 
 
-def _compiled(fn: Callable, key: tuple, options: dict, head_widths: tuple[int, int], inductor_options: dict) -> Callable:
+def _compiled(fn: Callable, key: tuple, options: dict, head_widths: tuple[int, int], inductor_options: dict,
+              uncompiled: bool = False) -> Callable:
     """``fn`` with ``options`` bound, compiled once per ``key`` (or eager: see :func:`_chunk_kernel`)."""
-    if not COMPILE_CHUNKS or min(head_widths) < 2:
+    if uncompiled or not COMPILE_CHUNKS or min(head_widths) < 2:
         return functools.partial(fn, **options)
     compiled = _COMPILED_CHUNKS.get(key)
     if compiled is None:

@@ -9,6 +9,7 @@ import torch
 from .buckets import _chunks
 from .chunks import _chunk_backward_kernel, _chunk_kernel, mask_limits, mask_positions
 from .dropout import dropout_rows
+from .overflow import overflow_reason, warn_uncompiled
 from .validation import _check_dropout, _check_meta, _check_values
 
 
@@ -35,7 +36,8 @@ def _attention_reference(q, k, v, offsets, positions, q_side, k_side, tables, se
     lse = torch.full((T, H) if softmax else (0,), float("inf"), dtype=cdtype, device=q.device)
     kernel = _chunk_kernel(score_mod, dtype=cdtype, use_qk=use_qk, activation=activation, scale=scale,
                            out_scale=out_scale, causal=causal, dropout_p=dropout_p,
-                           head_widths=(q.shape[2], v.shape[2]))
+                           head_widths=(q.shape[2], v.shape[2]),
+                           uncompiled=_may_overflow(score_mod, q_side, k_side, tables, max_len, H))
     mask_pos = mask_positions(positions, max_len)
     with torch.no_grad():
         for qi, qv, ki, kv in _chunks(offs, H, causal, q.device):
@@ -47,6 +49,15 @@ def _attention_reference(q, k, v, offsets, positions, q_side, k_side, tables, se
             if softmax:  # [n, H or 1, Lq] (1: no q·k and no per-head score_mod)
                 lse.index_copy_(0, qi[qv], lse_chunk.expand(o.shape[:3]).transpose(1, 2)[qv].to(cdtype))
     return (out, lse) if with_lse else out
+
+
+def _may_overflow(score_mod: str, q_side, k_side, tables, max_len: int, heads: int) -> bool:
+    """Whether the call must run uncompiled chunks, its score_mod's integers possibly overflowing
+    (:mod:`.overflow`; warned once)."""
+    reason = overflow_reason(score_mod, q_side, k_side, tables, max_len=max_len, heads=heads)
+    if reason is not None:
+        warn_uncompiled(score_mod, reason)
+    return reason is not None
 
 
 def _drop_rows(seed: torch.Tensor | None, q_index: torch.Tensor, heads: int, dropout_p: float) -> torch.Tensor:
@@ -101,7 +112,8 @@ def _analytic_backward(grad_out, q, k, v, offs, positions, q_side, k_side, table
                                     out_scale=out_scale, causal=causal, dropout_p=dropout_p,
                                     head_widths=(q.shape[2], v.shape[2]),
                                     table_grads=bool(score_mod) and any(t.is_floating_point() for t in tables),
-                                    stats=(stats is not None, stats is not None and stats[1] is not None))
+                                    stats=(stats is not None, stats is not None and stats[1] is not None),
+                                    uncompiled=_may_overflow(score_mod, q_side, k_side, tables, max_len, H))
     mask_pos = mask_positions(positions, max_len)
     table_values = [t.detach() for t in tables]
     for qi, qv, ki, kv in _chunks(offs, H, causal, q.device):
