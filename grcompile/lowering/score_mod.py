@@ -178,6 +178,61 @@ def registered_score_mods() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def live_state(key: str) -> tuple:
+    """What score_mod ``key`` reads besides its inputs that may change after it was registered:
+    the module globals its code names and its closure cells (through the functions they hold),
+    numbers by value, anything else by identity — a tensor also by version. Tracing a plain
+    function bakes these into the graph (``DECAY * gap`` keeps the ``DECAY`` of the trace), so
+    whatever is generated from a trace is valid only while this stays the same: it is part of
+    the key of every such cache. Small lists, tuples and dicts count by content (``slope[0]``
+    read at trace time). A GraphModule holds its constants itself: ``()``."""
+    return _live(get_score_mod(key).fn, 0) if key else ()
+
+
+def _live_value(value: Any, depth: int) -> Any:
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value._version if not value.is_inference() else 0)
+    if isinstance(value, (types.FunctionType, functools.partial)):
+        return ("fn", id(value), _live(value, depth + 1))
+    if isinstance(value, (list, tuple, dict)) and len(value) <= 64 and depth < 4:  # read by index at trace time
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        return (type(value).__name__, id(value), tuple((k, _live_value(v, depth + 1)) for k, v in items))
+    return ("id", id(value))
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _live(fn: Any, depth: int) -> tuple:
+    if depth > 4:
+        return ()
+    if isinstance(fn, functools.partial):
+        return (_live(fn.func, depth + 1), tuple(_live_value(a, depth + 1) for a in fn.args),
+                tuple((k, _live_value(v, depth + 1)) for k, v in sorted(fn.keywords.items())))
+    if not isinstance(fn, types.FunctionType):
+        return ()
+    scope = fn.__globals__
+    named = tuple((name, _live_value(scope[name], depth)) for name in sorted(_code_names(fn.__code__))
+                  if name in scope and not isinstance(scope[name], types.ModuleType))
+    cells = tuple(_live_value(c.cell_contents, depth) for c in (fn.__closure__ or ()) if _filled(c))
+    return named + cells
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell (a name bound later in the enclosing function)
+        return False
+    return True
+
+
 # ---------------------------------------------------------------------------------------------
 # The biases of models/common.py, written exactly as there (same ops, same dtypes), so that the
 # fused op reproduces the padded models bit-for-bit up to the matmul reduction order.
@@ -241,5 +296,5 @@ def hstu_rab_key(max_len: int, num_buckets: int) -> str:
     return _factory_key("hstu_rab", int(max_len), int(num_buckets))
 
 
-__all__ = ["ScoreMod", "register_score_mod", "get_score_mod", "registered_score_mods",
+__all__ = ["ScoreMod", "register_score_mod", "get_score_mod", "registered_score_mods", "live_state",
            "relative_position_bias_key", "relative_time_bias_key", "hstu_rab_key"]

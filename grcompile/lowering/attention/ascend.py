@@ -102,7 +102,7 @@ import torch.fx as fx
 
 from .. import note_fallback
 from .. import score_mod as _sm
-from ..score_mod import ScoreMod, get_score_mod
+from ..score_mod import ScoreMod, get_score_mod, live_state
 from .side_ranges import value_bounds
 
 _OP = "grcompile::jagged_attention"
@@ -273,13 +273,14 @@ def _analyse_graph(gm: fx.GraphModule) -> _Form:
     return _Form(a=a, silu=silu, post=post, graph=gm)
 
 
-_FORMS: dict[str, _Form] = {}
+_FORMS: dict[tuple, _Form] = {}  # (score_mod, its live state) -> its form
 
 
 def _form(key: str) -> _Form:
     if not key:
         return _Form()
-    form = _FORMS.get(key)
+    cache_key = (key, live_state(key))
+    form = _FORMS.get(cache_key)
     if form is None:
         sm = get_score_mod(key)
         if sm.kind == "bias":
@@ -293,7 +294,7 @@ def _form(key: str) -> _Form:
                     raise AscendFallback(f"the score_mod could not be traced to check its form "
                                          f"({type(error).__name__})") from None
             form = _analyse_graph(gm)
-        _FORMS[key] = form
+        _FORMS[cache_key] = form
     return form
 
 

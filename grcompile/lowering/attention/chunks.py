@@ -141,7 +141,7 @@ def _vjp(fn: Callable, *primals: torch.Tensor) -> tuple[torch.Tensor, Callable]:
     ``opcheck``'s schema mode cannot read their storage)."""
     if torch.compiler.is_compiling():
         return torch.func.vjp(fn, *primals)
-    with _autograd_reenabled():
+    with _autograd_reenabled(), _FloorDivisionDifferentiable():
         leaves = [t.detach().requires_grad_(True) for t in primals]
         out = fn(*leaves)
 
@@ -151,6 +151,28 @@ def _vjp(fn: Callable, *primals: torch.Tensor) -> tuple[torch.Tensor, Callable]:
         with _autograd_reenabled():
             return torch.autograd.grad(out, leaves, cotangent, allow_unused=True, materialize_grads=True)
     return out.detach(), vjp_fn
+
+
+class _FloorDivisionDifferentiable(torch.overrides.TorchFunctionMode):
+    """``floor_divide`` (``a // b``) has no derivative in torch: autograd raises in the backward
+    even when only other inputs need one (a float side that needs no gradient, differentiated
+    here because every float side is). ``div(rounding_mode="floor")`` computes the same values
+    with a zero derivative — what the Triton kernels give it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FLOOR_DIVIDES and len(args) == 2 and not kwargs:
+            a, b = args
+            if func is torch.Tensor.__rfloordiv__:
+                a, b = b, a
+            if not isinstance(a, torch.Tensor):
+                a = torch.as_tensor(a, device=b.device)
+            return torch.div(a, b, rounding_mode="floor")
+        return func(*args, **kwargs)
+
+
+_FLOOR_DIVIDES = (torch.floor_divide, torch.Tensor.floor_divide, torch.Tensor.__floordiv__,
+                  torch.Tensor.__rfloordiv__)
 
 
 @contextlib.contextmanager
@@ -310,7 +332,10 @@ def _inductor_options(score_mod: str) -> dict:
 
 
 def _compile_errors() -> tuple[type, ...]:
-    from torch._dynamo.exc import BackendCompilerFailed
+    """What a failed compile raises. ``TorchRuntimeError``: Dynamo could not trace the chunk on fake
+    tensors (``torch.func.vjp`` through ``floor_divide``, which has no derivative); the eager chunk
+    then runs it, or raises the user's own error if there is one."""
+    from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError
     from torch._inductor.exc import InductorError
 
-    return BackendCompilerFailed, InductorError
+    return BackendCompilerFailed, InductorError, TorchRuntimeError

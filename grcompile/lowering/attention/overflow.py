@@ -21,14 +21,14 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..score_mod import get_score_mod
+from ..score_mod import get_score_mod, live_state
 from ..score_mod_codegen import Unsupported, graph_with_metas
 from ..score_mod_ranges import Interval, may_wrap, propagate
 from ..source_site import node_site
 from .side_ranges import integer_side_bounds, value_bounds
 from .validation import _OP
 
-_STATIC: dict[tuple, Any] = {}  # (score_mod, side dtypes, tables) -> (graph, metas) | reason it cannot be analysed
+_STATIC: dict[tuple, Any] = {}  # (score_mod, its live state, side dtypes, tables) -> (graph, metas) | reason it cannot be analysed
 _PROOFS: dict[tuple, Optional[str]] = {}  # ... + rounded input bounds -> why it may overflow, or None
 _WARNED: set[str] = set()
 _INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -44,7 +44,7 @@ def _rounded_out(lo: int, hi: int) -> Interval:
 
 def _static(score_mod: str, q_side: Sequence[torch.Tensor], k_side: Sequence[torch.Tensor],
             tables: Sequence[torch.Tensor]) -> Any:
-    key = (score_mod, tuple(t.dtype for t in q_side), tuple(t.dtype for t in k_side),
+    key = (score_mod, live_state(score_mod), tuple(t.dtype for t in q_side), tuple(t.dtype for t in k_side),
            tuple((tuple(t.shape), t.dtype) for t in tables))
     if key not in _STATIC:
         try:
@@ -75,7 +75,7 @@ def overflow_reason(score_mod: str, q_side: Sequence[torch.Tensor], k_side: Sequ
     table_bounds = dict(zip(numbers, (_rounded_out(*b) for b in value_bounds([tables[i] for i in numbers])))) \
         if numbers else {}
     given = (_rounded_out(0, max(max_len - 1, 0)), (0, max(heads - 1, 0)))
-    key = (score_mod, tuple(t.dtype for t in q_side), tuple(t.dtype for t in k_side),
+    key = (score_mod, live_state(score_mod), tuple(t.dtype for t in q_side), tuple(t.dtype for t in k_side),
            tuple((tuple(t.shape), t.dtype) for t in tables), bounds, tuple(sorted(table_bounds.items())), given)
     if key not in _PROOFS:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -43,7 +43,7 @@ import torch
 
 from .. import autotune
 from ..autotune import TileTuner, device_cache_file
-from ..score_mod import get_score_mod
+from ..score_mod import get_score_mod, live_state
 from ..score_mod_codegen import HEAD_BOUND, POSITION_BOUND, ScoreModCode, Unsupported, generate
 from .side_ranges import int64_side_ranges
 
@@ -457,7 +457,7 @@ def _render(code: Optional[ScoreModCode], n_q: int, n_k: int, table_ranks: list[
 
 
 _CACHE_DIR = Path(os.environ.get("GRCOMPILE_TRITON_CACHE", Path(tempfile.gettempdir()) / "grcompile-triton"))
-_MODULES: dict[Variant, tuple] = {}
+_MODULES: dict[tuple, tuple] = {}  # (variant, the score_mod's live state) -> (module, code)
 
 
 def _load_module(source: str):
@@ -479,8 +479,10 @@ def _load_module(source: str):
 
 
 def kernels_for(variant: Variant, q_sides, k_sides, tables):
-    """``(module, code)`` of ``variant``: generated and imported once per process."""
-    hit = _MODULES.get(variant)
+    """``(module, code)`` of ``variant``: generated and imported once per process (and again
+    when a global or closure value the score_mod reads has changed: ``score_mod.live_state``)."""
+    key = (variant, live_state(variant.score_mod))
+    hit = _MODULES.get(key)
     if hit is None:
         code = None
         if variant.score_mod:
@@ -488,7 +490,7 @@ def kernels_for(variant: Variant, q_sides, k_sides, tables):
                             side_ranges=variant.side_ranges)
         ranks = [t.dim() for t in tables] + ([c.dim() for c in code.constants] if code else [])
         module = _load_module(_render(code, len(q_sides), len(k_sides), ranks))
-        hit = _MODULES[variant] = (module, code)
+        hit = _MODULES[key] = (module, code)
     return hit
 
 

@@ -3,6 +3,7 @@ equals autograd through the chunk's forward for every activation, eager and indu
 the float mask limits equal the int64 mask they replace; NaN, unused inputs and bf16 gradients."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -169,3 +170,35 @@ def test_half_precision_gradients_accumulate_in_float32() -> None:
     for a, b in zip(got, want):
         assert a.dtype == torch.bfloat16
         torch.testing.assert_close(a.double(), b, rtol=2 ** -7, atol=1e-3)
+
+
+def _days(score, q_pos, k_pos, k_side_0):
+    return score + (k_side_0 // 86400.0) * 0.01 + (3600.0 // (k_side_0 + 1.0)) * 0.001
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_floor_division_of_a_float_side_differentiates_to_zero(compiled, monkeypatch):
+    """``//`` has no derivative in torch: the backward, which differentiates every float side,
+    raised ``derivative for aten::floor_divide is not implemented`` where eager (whose side needs
+    no gradient) runs. It is zero, as in the Triton kernels; q, k, v match eager."""
+    from grcompile.lowering.attention.reference import _attention_backward_reference, _attention_reference
+    monkeypatch.setattr(chunks, "COMPILE_CHUNKS", compiled)
+    monkeypatch.setattr(chunks, "_COMPILED_CHUNKS", {})
+    T = 4
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(T, 1, 8, generator=g, dtype=F64, requires_grad=True) for _ in range(3))
+    ts = torch.tensor([0.0, 90000.0, 200000.0, 400000.0], dtype=F64)
+    kwargs = dict(score_mod=register_score_mod(_days), use_qk=True, activation="silu", scale=0.25, out_scale=1.0,
+                  causal=True, max_len=T)
+    args = (q, k, v, torch.tensor([0, T]), torch.arange(T), [], [ts], [], None)
+    grad = torch.randn(T, 1, 8, generator=g, dtype=F64)
+    with pytest.warns(UserWarning) if compiled else contextlib.nullcontext():  # inductor gives up: eager chunk
+        dq, dk, dv, _, (d_ts,), _ = _attention_backward_reference(grad, *args, **kwargs)
+    s = (q[:, 0] @ k[:, 0].T) * 0.25
+    s = _days(s, None, None, ts[None, :])
+    p = torch.nn.functional.silu(s).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), 0.0)
+    want = torch.autograd.grad((p @ v[:, 0]).unsqueeze(1), (q, k, v), grad)
+    torch.testing.assert_close(_attention_reference(*args, **kwargs), (p @ v[:, 0]).unsqueeze(1))
+    for got, expected in zip((dq, dk, dv), want):
+        torch.testing.assert_close(got, expected)
+    assert not d_ts.any()

@@ -8,6 +8,7 @@ an additive float key-side mask that receives a gradient, log-bucketed time with
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 # GRCOMPILE_TEST_DEVICE=cuda runs the kernel-vs-reference cases natively on a GPU, e.g.
@@ -826,3 +827,40 @@ def test_integer_division_by_a_constant_beyond_int32_stays_integer(fn):
     k_side = [torch.tensor([i32, 0, i32, 2, i32 - 3]).to(DEVICE)]
     kwargs["score_mod"] = S.register_score_mod(fn)
     _assert_match((*args[:5], q_side, k_side, [], args[8]), kwargs)
+
+
+DECAY = 0.1  # a module-level hyper-parameter a score_mod reads (annealed, swept)
+
+
+def global_decay(score, q_pos, k_pos):
+    return score - DECAY * (q_pos - k_pos).float()
+
+
+def _decay_with_closure():
+    slope = [0.5]  # noqa: F841 - read by closure_decay
+
+    def closure_decay(score, q_pos, k_pos):
+        return score - slope[0] * (q_pos - k_pos).float()
+
+    def set_slope(value):
+        slope[0] = value  # in place: the cell keeps the same list
+    return closure_decay, set_slope
+
+
+def test_a_kernel_is_regenerated_when_a_global_or_closure_the_score_mod_reads_changes(monkeypatch):
+    """Tracing bakes a global's value into the kernel: with 5.0 after 0.1 the kernel kept 0.1
+    (off by 1.86) while eager and the reference read 5.0."""
+    closure_decay, set_slope = _decay_with_closure()
+    for fn, change in ((global_decay, lambda v: monkeypatch.setattr(sys.modules[__name__], "DECAY", v)),
+                       (closure_decay, set_slope)):
+        key = S.register_score_mod(fn)
+        for value in (0.1, 5.0):
+            change(value)
+            args, kwargs = _case([5, 0, 3], 2, 16, 16, "softmax", True, 0.0, "none", seed=3)
+            kwargs["score_mod"] = key
+            _assert_match(args, kwargs)
+            want_shift = ref._attention_reference(*args, **kwargs)
+        change(0.1)
+        args, kwargs = _case([5, 0, 3], 2, 16, 16, "softmax", True, 0.0, "none", seed=3)
+        kwargs["score_mod"] = key
+        assert not torch.allclose(at.attention_triton(*args, **kwargs), want_shift)
