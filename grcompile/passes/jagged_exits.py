@@ -180,14 +180,38 @@ def confined_row_axes(u: fx.Node, layouts: dict, B, outputs_free: bool) -> set[i
             continue
         env = dict(layouts)
         env[u] = Token(a, None, len(shape))
+        carriers = downstream | {u}
         for n in sorted(downstream, key=order.__getitem__):
-            layout = propagate(n, env)
+            layout = _concatenated_rows(n, env, carriers) or propagate(n, env)
             if not (isinstance(layout, Token) and layout.batch is not None):
                 break
             env[n] = layout
         else:
             axes.add(a)
     return axes
+
+
+def _concatenated_rows(n: fx.Node, env: dict, carriers: set[fx.Node]) -> Token | None:
+    """``cat`` along an axis other than the rows of the inputs computed from the selection: row
+    ``r`` of those lands in row ``r`` of the result, whatever the other inputs hold (``cat`` takes
+    equal shapes, nothing broadcasts). The layout analysis asks more of a ``cat`` — one layout
+    for every input, as the jagged rewrite needs — and a per-row value concatenated with a
+    pooled one (no token axis left) would end the proof there."""
+    if canonical(n) != "cat" or shape_of(n) is None:
+        return None
+    tensors = arg(n, 0, "tensors")
+    if not isinstance(tensors, (list, tuple)):
+        return None
+    nd = len(shape_of(n))
+    dim = arg(n, 1, "dim", 0)
+    if not isinstance(dim, int):
+        return None
+    dim %= nd
+    rows = {env.get(t).batch if isinstance(env.get(t), Token) and env.get(t).ndim == nd else None
+            for t in tensors if t in carriers}
+    if len(rows) != 1 or None in rows or dim in rows:
+        return None
+    return Token(rows.pop(), None, nd)
 
 
 # ------------------------------------------------------------------ proof of valid reads

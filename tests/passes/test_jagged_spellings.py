@@ -198,6 +198,10 @@ class Exits(nn.Module):
         if self.exit == "gather":
             index = (lengths - 1).clamp(min=0)[:, None, None].expand(-1, 1, h.shape[-1])
             return h.gather(1, index).squeeze(1)
+        if self.exit == "gather_cat":  # the last item beside the masked mean, along the features
+            index = (lengths - 1).clamp(min=0)[:, None, None].expand(-1, 1, h.shape[-1])
+            m = valid.unsqueeze(-1).to(h.dtype)
+            return torch.cat([(h * m).sum(1) / m.sum(1).clamp(min=1), h.gather(1, index)[:, 0]], -1)
         if self.exit == "arange_index":
             return h[torch.arange(B, device=ids.device), valid.sum(1) - 1]
         if self.exit == "last":
@@ -224,6 +228,7 @@ def _lengths_batch(lengths, left=False, seed=0):
 
 CASES = [  # exit, validity, left padding, counter that must fire, rows that count
     ("gather", "lengths", False, "exit_row_select", "nonempty"),
+    ("gather_cat", "lengths", False, "exit_row_select", "nonempty"),
     ("arange_index", "lengths", False, "exit_row_select", "nonempty"),
     ("last", "left", True, "exit_row_select", "nonempty"),
     ("masked_mean", "ids", False, "exit_segment_sum", "all"),
@@ -244,6 +249,7 @@ def test_exits_are_jagged_and_exact(exit, validity, left, fires, which):
     assert counter(report, "exit_dense") == 0  # no dense unpack
     assert {"embedding", "linear", "layer_norm"} <= set(jagged_ops(report))
     assert jagged_fallbacks(report) == []
+    assert report.unoptimized == []  # no run-time check failed (the cat stays within each row)
 
 
 def test_empty_row_reads_padding_and_gives_zero():
