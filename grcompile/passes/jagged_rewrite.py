@@ -626,8 +626,10 @@ class _Rewriter:
             qj = kj = g.call_function(torch.zeros_like, (g.call_function(operator.getitem, (vj, (Ellipsis, slice(0, 1)))),))
         else:
             qj, kj = Jt(q), Jt(k)
-        qs = [self._pack(s) for s in q_sides]
-        ks = [self._pack(s) for s in k_sides]
+        # a side computed inside the region (a gate over the tokens' values) is jagged already:
+        # packed again from its dense form, it would be read outside the region
+        qs = [Jt(s) for s in q_sides]
+        ks = [Jt(s) for s in k_sides]
         activation = {"none": "identity", "softmax": "softmax"}[opts["normalize"]]
         return g.call_function(JAGGED_ATTENTION,
                                (qj, kj, vj, self.offsets, self.positions, qs, ks, list(tables), seed),

@@ -108,3 +108,37 @@ def test_time_bias_with_indexing_broadcasts():
     report = assert_same(m, (ids, ts), ids != 0, passes=default_pipeline())
     assert any(r["op"] == "jagged_attention" for r in report.rewrites), report
     assert not report.fallbacks
+
+
+class GatedQueries(nn.Module):
+    """A per-query gate computed from the tokens' own values scales the scores (``[B, 1, N, 1]``)."""
+
+    def __init__(self, D=8, H=2):
+        super().__init__()
+        self.H = H
+        self.emb = nn.Embedding(40, D, padding_idx=0)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.gate = nn.Linear(D, 1)
+
+    def forward(self, ids, ts):
+        B, N = ids.shape
+        D = self.emb.embedding_dim
+        valid = ids != 0
+        x = self.emb(ids)
+        q, k, v = (t.view(B, N, self.H, D // self.H).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        scores = (q @ k.transpose(-1, -2)) * torch.sigmoid(self.gate(x))[:, None, :, :]
+        allowed = torch.ones(N, N, dtype=torch.bool, device=ids.device).tril() & valid[:, None, None, :]
+        attn = scores.masked_fill(~allowed, -1e9).softmax(-1)
+        return (attn @ v).transpose(1, 2).reshape(B, N, D) * valid[..., None]
+
+
+def test_a_side_computed_from_the_tokens_stays_jagged():
+    """The gate is a side input of the fused attention and a value of the jagged region: packed
+    again from its dense form, it was read outside the region and the whole block stayed dense
+    ("expand_as is used by flatten_1 outside the jagged region")."""
+    torch.manual_seed(0)
+    m = GatedQueries().double()
+    ids, ts = random_batch([10, 1, 0, 7], 10, num_items=40)
+    report = assert_same(m, (ids, ts), ids != 0, passes=default_pipeline())
+    assert any(r["op"] == "jagged_attention" for r in report.rewrites), report
+    assert not report.fallbacks, report.fallbacks
