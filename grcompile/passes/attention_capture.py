@@ -537,7 +537,7 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
                     _check_table(a, n, H)
                     views[a] = None
                     tables.append(a)
-                elif not _scalar_factory(a):
+                elif not _scalar_factory(a) and _identity_of(a, N) is None:
                     views[a] = _table_view(a, n, roles(n), N)
                     tables.append(a)
     sides.sort(key=lambda side: side[1] != "q")
@@ -574,6 +574,15 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
                 return table_ph[a]
             if a in table_ph:
                 raise Unsupported(f"bias table {a.name} enters the attention scores other than by a lookup", consumer)
+            if _identity_of(a, N) is not None:
+                r = roles(consumer)
+                shape = shape_of(a)
+                axes = [r[i + len(r) - len(shape)] for i, s in enumerate(shape) if not is_one(s)]
+                if sorted(axes) != ["i", "j"]:
+                    raise Unsupported(f"torch.eye ({a.name}) on axes that are not (query, key)", consumer)
+                same = g.call_function(operator.eq, (q_pos, k_pos))
+                dtype = example(a).dtype
+                return same if dtype == torch.bool else g.call_method("to", (same, dtype))
             name = getattr(a.target, "__name__", str(a.target))
             if name in _FACTORY_FILL:
                 return g.call_function(torch.full, ((), _FACTORY_FILL[name]), {"dtype": example(a).dtype})
@@ -653,6 +662,33 @@ def is_size_scalar(a: fx.Node) -> bool:
     """A SymInt / SymFloat node (a size of a dynamic graph, or arithmetic on one): the op receives
     it as a 0-d tensor, so the score_mod is the same for every N (a baked int would not be)."""
     return isinstance(example(a), (torch.SymInt, torch.SymFloat))
+
+
+def _identity_of(a: fx.Node, N: Any) -> fx.Node | None:
+    """The ``torch.eye(N)`` under broadcasting views and dtype casts of ``a`` (``eye(N)[None]``,
+    ``eye(N, dtype=torch.bool)``), or None. Being symmetric it reads the same along (query, key)
+    or (key, query): the op computes it as ``q_pos == k_pos`` for every N."""
+    shape = shape_of(a)
+    varying = [s for s in shape if not is_one(s)] if shape is not None else []
+    if len(varying) != 2 or not all(known_eq(s, N) for s in varying):
+        return None
+    node = a
+    while True:
+        op = canonical(node)
+        if op in _SHAPE_ONLY or (op == "getitem" and _is_broadcast_index(node.args[1])) or (
+                op == "unary" and node.target in _CASTS and node.target not in ("long", "int")):
+            node = node.args[0]
+            continue
+        break
+    if getattr(node.target, "__name__", node.target) != "eye" or node.op not in ("call_function",):
+        return None
+    sizes = [a for a in node.args]
+    if not sizes or len(sizes) > 2 or not all(known_eq(example(x) if isinstance(x, fx.Node) else x, N)
+                                              for x in sizes):
+        return None
+    if set(node.kwargs) - {"dtype", "device", "layout", "requires_grad", "pin_memory"}:
+        return None
+    return node
 
 
 def _scalar_factory(a: fx.Node) -> bool:
@@ -819,7 +855,7 @@ def _opaque(_value: Any) -> Any:
 _COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
 
 
-def _proof_frame(mod: fx.GraphModule, N: Any) -> tuple[fx.GraphModule, int]:
+def _proof_frame(mod: fx.GraphModule, N: Any, for_every_n: bool = False) -> tuple[fx.GraphModule, int]:
     """The score_mod to prove on, and the N to enumerate positions on.
 
     A static N: ``mod`` itself on every (i, j) of ``[0, N)²`` — exhaustive, so a proof.
@@ -833,8 +869,9 @@ def _proof_frame(mod: fx.GraphModule, N: Any) -> tuple[fx.GraphModule, int]:
     keeps i, j, j - i and i + j on the same side of every constant (and equal below it). So
     enumerating ``[0, 2K + 5)`` proves the obligations for every N. Any other use of a position
     (a cast, a product: an ALiBi slope, a comparison with N) is replaced by ANY in the copy
-    proved on: sound, and nothing is concluded from it."""
-    if not is_symbolic(N):
+    proved on: sound, and nothing is concluded from it. ``for_every_n``: that frame for a static N
+    too (a proof for every N holds for this one; a few positions instead of N²)."""
+    if not is_symbolic(N) and not for_every_n:
         return mod, N
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -913,6 +950,15 @@ def prove(cap: Capture, validity: set[fx.Node], N: int, padding: set[fx.Node] = 
         padded_key = abstract_eval(mod, inputs(i[off][None], j[off][None], true, false))
     else:
         padded_key = abstract_eval(mod, inputs(ANY, ANY, true, false))
+    if not all_valid and not is_masked(padded_key, cap.normalize) and not any(
+            view is not None and view.static is not None for view in cap.views):
+        # a valid query and a padded key are never the same token: a mask that lets a query see
+        # its own position (``| torch.eye(N)``, computed as ``q_pos == k_pos``) masks every padded
+        # key if it does at every i != j — enumerated on the frame that proves it for every N
+        frame, n = _proof_frame(cap.score_mod, N, for_every_n=True)
+        fi, fj = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
+        apart = fi != fj
+        padded_key = abstract_eval(frame, inputs(fi[apart][None], fj[apart][None], true, false))
     if not all_valid and not is_masked(padded_key, cap.normalize):
         raise Unsupported("cannot prove that padded keys are masked out of the attention (mask the scores "
                           "with the validity of the keys)", cap.score)

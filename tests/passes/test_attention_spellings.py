@@ -391,6 +391,9 @@ class Explicit(nn.Module):
             mask = torch.tril(torch.ones(n, n, dtype=torch.float64)) * valid[:, None, None, :]
             p = torch.softmax(s.masked_fill(mask == 0, -math.inf), dim=-1)
             p = torch.where(torch.isnan(p), torch.zeros_like(p), p)
+        elif how == "eye_self_loop":  # every query keeps its own key (no row is empty, padded ones too)
+            mask = (torch.tril(torch.ones(n, n, dtype=torch.bool)) & valid[:, None, None, :]) | torch.eye(n).bool()
+            p = torch.softmax(s.masked_fill(~mask, -1e9), dim=-1)
         elif how == "query_rows_only":  # masks the padded *queries* only: padded keys still count
             p = torch.softmax(s.masked_fill(~valid[:, None, :, None], -1e9), dim=-1)
         elif how == "query_rows_after_softmax":
@@ -405,6 +408,7 @@ class Explicit(nn.Module):
     ("eq_zero", False), ("expand_tril_where", True), pytest.param("repeat_heads", True, marks=_SLOW),
     ("numpy_in_forward", True), pytest.param("numpy_attribute", True, marks=_SLOW), ("buffer", True),
     ("inf_nan_to_num", True), pytest.param("inf_isnan_fill", True, marks=_SLOW), ("float64_mask", True),
+    ("eye_self_loop", True),
 ])
 def test_masks_as_people_build_them(how, causal):
     torch.manual_seed(0)
@@ -413,6 +417,30 @@ def test_masks_as_people_build_them(how, causal):
     ids = padded() if "inf" in how or how.startswith("float64") else padded([2, 1, N, 5, 3])
     report = check(Explicit(how).double(), ids)
     assert_fused(report, causal=causal)
+
+
+def test_eye_self_loop_fuses_for_every_sequence_length():
+    """``| torch.eye(N)`` is computed in the op as ``q_pos == k_pos``: a valid query and a padded key
+    are never the same token, so padded keys stay provably masked — also in the graph compiled
+    for any N after a shape change, where eye(N) has no values to enumerate (it fell back)."""
+    torch.manual_seed(0)
+    module = Explicit("eye_self_loop").double()
+    optimized = grcompile.optimize(module, passes=attention_pipeline(), lowering="eager")
+    for ids in (padded(), padded([4, 0, 6, 1], n=6, seed=1), padded([7, 2, 3], n=7, seed=2)):
+        valid = (ids != 0)[..., None]
+        module.zero_grad(set_to_none=True)
+        got = optimized(ids)
+        torch.where(valid, got, 0).square().sum().backward()
+        grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+        module.zero_grad(set_to_none=True)
+        ref = module(ids)
+        torch.where(valid, ref, 0).square().sum().backward()
+        torch.testing.assert_close(torch.where(valid, got, 0), torch.where(valid, ref, 0))
+        for n, p in module.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, msg=n)
+    report = grcompile.report(optimized)
+    assert report.compiles == 2  # the static graph, then one for any N
+    assert_fused(report, causal=True)
 
 
 @pytest.mark.parametrize("how", ["query_rows_only", "query_rows_after_softmax"])
