@@ -651,10 +651,30 @@ def _int_floor_parts(gen: _Gen, a: Value, b: Value) -> tuple[str, str]:
     return f"tl.where({fix}, {q} - 1, {q})", f"tl.where({fix}, {r} + {b.expr}, {r})"
 
 
+def _float_remainder(gen: _Gen, a: Value, b: Value) -> tuple[str, str]:
+    """``(fmod(a, b), torch's remainder)`` of floats: Triton's float ``%`` is C's fmod (exact);
+    torch's remainder moves it to the divisor's sign."""
+    m, fix = gen.fresh("m"), gen.fresh("fix")
+    gen.lines.append(f"{m} = {a.expr} % {b.expr}")
+    gen.lines.append(f"{fix} = ({m} != 0) & (({m} < 0) != ({b.expr} < 0))")
+    return m, f"tl.where({fix}, {m} + {b.expr}, {m})"
+
+
 def _floordiv(gen: _Gen, node: fx.Node, roles):
     a, b = (gen.arg(x) for x in node.args[:2])
     if _is_float(gen, a, b):
-        return gen.emit(f"tl.floor({a.expr} / {b.expr})", node, roles)
+        # torch's div_floor_floating (Python's float //), not floor(a / b): 1.0 // 0.1 is 9, while
+        # the rounded 1.0 / 0.1 is 10. The quotient of a minus its fmod is an integer up to
+        # rounding, one less where the remainder's sign differs from b's, then rounded to nearest
+        m, _ = _float_remainder(gen, a, b)
+        d, f = gen.fresh("d"), gen.fresh("f")
+        gen.lines.append(f"{d} = ({a.expr} - {m}) / {b.expr}")
+        gen.lines.append(f"{d} = tl.where(({m} != 0) & (({m} < 0) != ({b.expr} < 0)), {d} - 1.0, {d})")
+        gen.lines.append(f"{f} = tl.floor({d})")
+        gen.lines.append(f"{f} = tl.where({d} - {f} > 0.5, {f} + 1.0, {f})")
+        # a zero quotient takes the sign of a / b; division by zero is IEEE's a / b
+        q = f"{a.expr} / {b.expr}"
+        return gen.emit(f"tl.where({b.expr} == 0, {q}, tl.where({d} != 0, {f}, ({q}) * 0.0))", node, roles)
     return gen.emit(_int_floor_parts(gen, a, b)[0], node, roles)
 
 
@@ -673,9 +693,7 @@ def _mod(gen: _Gen, node: fx.Node, roles):
     """torch.remainder / ``%``: the sign of the divisor (Python's), not C's fmod."""
     a, b = (gen.arg(x) for x in node.args[:2])
     if _is_float(gen, a, b):  # torch's: fmod (Triton's float %, exact), moved to the divisor's sign
-        m = gen.fresh("m")
-        gen.lines.append(f"{m} = {a.expr} % {b.expr}")
-        return gen.emit(f"tl.where(({m} != 0) & (({m} < 0) != ({b.expr} < 0)), {m} + {b.expr}, {m})", node, roles)
+        return gen.emit(_float_remainder(gen, a, b)[1], node, roles)
     return gen.emit(_int_floor_parts(gen, a, b)[1], node, roles)
 
 

@@ -1,0 +1,63 @@
+"""Edge cases of the score_mod -> Triton generator a fuzzing review found (float floor division,
+gradients of 0-d fill values, results along one role only, non-finite constants, bool / unsigned
+operands, NaN / inf semantics, constant tables captured from the enclosing scope): the kernels
+equal the reference in values and every gradient, and run them (no handoff), unless a case says
+the generator hands it to the reference with a reason."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from grcompile.lowering import OPS
+from grcompile.lowering import score_mod as S
+
+from .test_triton import DEVICE, _assert_match, _case, at  # noqa: F401 - the interpreter set-up
+
+LENGTHS = [7, 1, 0, 4]  # 12 tokens
+FLOATS = torch.tensor([1.0, 0.3, -1.0, 0.7, 2.0, -0.2, 0.5, 1.5, -3.0, 0.05, 0.6, 0.0])
+
+
+def _check(fn, q_side=(), k_side=(), tables=(), activation="silu", causal=True, use_qk=True, fallback=None):
+    """Kernel vs reference for ``fn`` on these sides / tables; ``fallback``: a text the handoff's
+    reason must contain (else the kernels must run it, with no fallback warning)."""
+    key = S.register_score_mod(fn)
+    args, kwargs = _case(LENGTHS, 2, 8, 8, activation, causal, 0.0, "none", 3, use_qk=use_qk)
+    args = (*args[:5], [t.to(DEVICE) for t in q_side], [t.to(DEVICE) for t in k_side],
+            [t.to(DEVICE) for t in tables], args[8])
+    kwargs["score_mod"] = key
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore" if fallback else "error")
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy's, in the interpreter, on NaN / inf lanes
+        _assert_match(args, kwargs, fallback=bool(fallback))
+    if fallback:
+        assert fallback in OPS["jagged_attention"].fallbacks[key]
+    else:
+        assert key not in OPS["jagged_attention"].fallbacks
+
+
+# -- 1. float floor division: torch floors like Python, through fmod (1.0 // 0.1 == 9) ----------------
+
+
+# (a float side that requires a gradient is divided with rounding_mode="floor": eager torch has
+# no derivative for floor_divide, so `side // 0.1` cannot be differentiated by the reference)
+def float_floordiv_by_a_tenth(score, q_pos, k_pos, k_side_0):
+    return (score + torch.div(k_side_0, 0.1, rounding_mode="floor") + torch.div(k_side_0, -0.3, rounding_mode="floor")
+            + (k_pos * 0.1) // 0.1 + (q_pos - k_pos) * 0.7 // 0.7)
+
+
+def int_floordiv_by_a_float(score, q_pos, k_pos, k_side_0):
+    return score + k_side_0 // 1e-3 + torch.floor_divide(k_side_0, 0.3) + k_side_0.float() // -0.1
+
+
+def half_floordiv(score, q_pos, k_pos, q_side_0, k_side_0):
+    return (score + torch.div(k_side_0, q_side_0, rounding_mode="floor").float()
+            + torch.div(k_side_0, 0.1, rounding_mode="floor").float())
+
+
+def test_float_floor_division_floors_like_torch():
+    _check(float_floordiv_by_a_tenth, k_side=[FLOATS.clone()])
+    _check(int_floordiv_by_a_float, k_side=[torch.tensor([5, 1, -3, 7, 0, 9, 2, 3, -6, 1, 10, 4])])
+    half = torch.tensor([1.0, 0.3, -1.0, 0.7, 2.0, -0.2, 0.5, 1.5, -3.0, 0.05, 0.6, 0.9], dtype=torch.float16)
+    _check(half_floordiv, q_side=[(half * 0 + 0.1).flip(0)], k_side=[half])
