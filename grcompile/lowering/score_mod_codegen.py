@@ -888,8 +888,10 @@ class _Backward:
         elif name == "where":
             self.add(args[1], f"tl.where({x(0)}, {g}, 0.0)", roles)
             self.add(args[2], f"tl.where({x(0)}, 0.0, {g})", roles)
-        elif name == "masked_fill":
+        elif name == "masked_fill":  # the value (a 0-d tensor: a table, a computed scalar) gets the filled pairs' sum
+            value = args[2] if len(args) > 2 else node.kwargs.get("value")
             self.add(args[0], f"tl.where({x(1)}, 0.0, {g})", roles)
+            self.add(value, f"tl.where({x(1)}, {g}, 0.0)", roles)
         elif name in ("clamp", "clip", "clamp_min", "clamp_max"):
             lo, hi = _clamp_bounds(node)
             keep = ["(1 == 1)"]

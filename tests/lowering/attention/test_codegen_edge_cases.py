@@ -61,3 +61,25 @@ def test_float_floor_division_floors_like_torch():
     _check(int_floordiv_by_a_float, k_side=[torch.tensor([5, 1, -3, 7, 0, 9, 2, 3, -6, 1, 10, 4])])
     half = torch.tensor([1.0, 0.3, -1.0, 0.7, 2.0, -0.2, 0.5, 1.5, -3.0, 0.05, 0.6, 0.9], dtype=torch.float16)
     _check(half_floordiv, q_side=[(half * 0 + 0.1).flip(0)], k_side=[half])
+
+
+# -- 2. a 0-d tensor fill value / where operand receives its gradient -----------------------------------
+
+
+def learned_future_score(score, q_pos, k_pos, table_0):
+    return score.masked_fill(k_pos > q_pos, table_0)
+
+
+def learned_future_score_keyword(score, q_pos, k_pos, table_0):
+    return score.masked_fill(k_pos > q_pos, value=table_0 * 2.0)
+
+
+def where_with_tables(score, q_pos, k_pos, table_0, table_1):
+    return torch.where(k_pos > q_pos, table_0, score) + torch.where(k_pos > q_pos + 1, score, table_1[k_pos])
+
+
+@pytest.mark.parametrize("fn, tables", [
+    (learned_future_score, [torch.tensor(0.7)]), (learned_future_score_keyword, [torch.tensor(-0.4)]),
+    (where_with_tables, [torch.tensor(0.7), torch.randn(7, generator=torch.Generator().manual_seed(0))])])
+def test_tensor_fill_values_and_where_operands_get_their_gradient(fn, tables):
+    _check(fn, tables=tables, causal=False)
