@@ -828,7 +828,9 @@ class _Backward:
         gen = self.gen
         gen.comp, gen.wide = None, False  # the derivatives combine forward values as they are
         if self.out.node is not None and self.out.node in self.needs:
-            self.adj[self.out.node] = "g_mod"
+            # g_mod is a [BM, BN] tile: a result along the keys only, the queries only or neither
+            # (broadcast to the tile by the forward) gets its in-row pairs' sum, in its own shape
+            self.add(self.out.node, "g_mod", frozenset({"q", "k"}))
         for node in reversed(list(gen.values)):
             g = self.adj.get(node)
             if g is None or (node.op == "placeholder" and not hasattr(gen.values[node], "lookup")):

@@ -83,3 +83,35 @@ def where_with_tables(score, q_pos, k_pos, table_0, table_1):
     (where_with_tables, [torch.tensor(0.7), torch.randn(7, generator=torch.Generator().manual_seed(0))])])
 def test_tensor_fill_values_and_where_operands_get_their_gradient(fn, tables):
     _check(fn, tables=tables, causal=False)
+
+
+# -- 3. a result that varies along the keys only, the queries only or neither --------------------------
+
+
+def item_logit(score, q_pos, k_pos, k_side_0):
+    return k_side_0
+
+
+def key_position_weight(score, q_pos, k_pos, table_0):
+    return table_0[k_pos]
+
+
+def query_side_only(score, q_pos, k_pos, q_side_0):
+    return q_side_0 * 2.0
+
+
+def head_weight(score, q_pos, k_pos, head, table_0):
+    return table_0[head] * 0.5
+
+
+def scalar_weight(score, q_pos, k_pos, table_0):
+    return table_0 * 3.0
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_results_along_one_role_or_none_get_their_gradients(activation):
+    _check(item_logit, k_side=[FLOATS.clone()], activation=activation, use_qk=False)
+    _check(key_position_weight, tables=[FLOATS[:7].clone()], activation=activation, use_qk=False)
+    _check(query_side_only, q_side=[FLOATS.flip(0)], activation=activation)
+    _check(head_weight, tables=[torch.tensor([0.3, -1.2])], activation=activation, use_qk=False)
+    _check(scalar_weight, tables=[torch.tensor(0.8)], activation=activation)
