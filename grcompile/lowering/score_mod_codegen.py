@@ -222,6 +222,7 @@ class _Gen:
         self.values: dict[fx.Node, Value] = {}
         self.lines = code.forward
         self.tables: dict[fx.Node, int] = {}  # table placeholder / get_attr -> table slot
+        self.scalars: dict[fx.Node, Any] = {}  # 0-d get_attr constants -> their Python number
         self.n_tab = len(tables)
         self.tmp = 0
         self.interval: Optional[tuple[int, int]] = None  # of the node being generated
@@ -294,6 +295,8 @@ class _Gen:
         if isinstance(a, fx.Node):
             if a in self.tables:
                 raise Unsupported(f"the table {a.name} is used other than by an index lookup")
+            if a in self.scalars:  # converted where it is used, as a Python number is
+                return self.arg(self.scalars[a])
             value = self.values[a]
             comp = self.comp
             if comp is not None and value.dtype not in (None, torch.bool, comp):
@@ -353,8 +356,10 @@ class _Gen:
             value = getattr(value, part)
         if not isinstance(value, torch.Tensor):
             raise Unsupported(f"the constant {node.target} is not a tensor")
-        if value.dim() == 0:
-            self.values[node] = Value(repr(value.item()), None, frozenset(), node)
+        if value.dim() == 0:  # a number: written as a Python constant is (arg), e.g. -inf as float('-inf')
+            self.scalars[node] = value.item()
+            self.comp, self.wide = None, False  # (not the previous node's)
+            self.values[node] = Value(self.arg(value.item()).expr, None, frozenset(), node)
             return
         self.tables[node] = self.n_tab + len(self.code.constants)
         self.code.constants.append(value.detach())
@@ -593,8 +598,8 @@ def _full(gen: _Gen, node: fx.Node, roles):
 def _full_like(value: Optional[float]) -> Callable:
     def handler(gen: _Gen, node: fx.Node, roles):
         x = gen.arg(node.args[0])
-        fill = value if value is not None else node.args[1]
-        return gen.emit(f"tl.zeros_like({x.expr}) + {fill!r}", node, roles)
+        fill = gen.arg(value if value is not None else node.args[1])  # float('-inf'), not a bare -inf
+        return gen.emit(f"tl.zeros_like({x.expr}) + {fill.expr}", node, roles)
     return handler
 
 

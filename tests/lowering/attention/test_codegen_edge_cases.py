@@ -115,3 +115,26 @@ def test_results_along_one_role_or_none_get_their_gradients(activation):
     _check(query_side_only, q_side=[FLOATS.flip(0)], activation=activation)
     _check(head_weight, tables=[torch.tensor([0.3, -1.2])], activation=activation, use_qk=False)
     _check(scalar_weight, tables=[torch.tensor(0.8)], activation=activation)
+
+
+# -- 4. non-finite constants reach the kernel source as valid Triton ------------------------------------
+
+
+NEG_INF = torch.tensor(float("-inf"))
+
+
+def full_like_inf(score, q_pos, k_pos):
+    return torch.where(k_pos <= q_pos, score, torch.full_like(score, float("-inf")))
+
+
+def where_tensor_inf(score, q_pos, k_pos):
+    return torch.where(k_pos <= q_pos, score, NEG_INF)
+
+
+def masked_fill_tensor_inf(score, q_pos, k_pos):
+    return score.masked_fill(k_pos > q_pos, NEG_INF)
+
+
+@pytest.mark.parametrize("fn", [full_like_inf, where_tensor_inf, masked_fill_tensor_inf])
+def test_non_finite_constants_run_in_the_kernel(fn):
+    _check(fn, activation="softmax", causal=False)
