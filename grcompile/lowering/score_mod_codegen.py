@@ -291,7 +291,9 @@ class _Gen:
                 self.tables[node] = i
 
     # -- nodes ---------------------------------------------------------------------------------
-    def arg(self, a: Any) -> Value:
+    def arg(self, a: Any, condition: bool = False) -> Value:
+        """``a`` as the node being generated computes with it (converted to ``self.comp``; a bool
+        too, as torch promotes it, unless it is a ``condition``: where's, masked_fill's mask)."""
         if isinstance(a, fx.Node):
             if a in self.tables:
                 raise Unsupported(f"the table {a.name} is used other than by an index lookup")
@@ -299,7 +301,7 @@ class _Gen:
                 return self.arg(self.scalars[a])
             value = self.values[a]
             comp = self.comp
-            if comp is not None and value.dtype not in (None, torch.bool, comp):
+            if comp is not None and value.dtype not in (None, comp) and not (condition and value.dtype == torch.bool):
                 # torch's promotion, not Triton's: int8 - uint8 is int16 in torch, uint8 in Triton;
                 # an int64 divided by a float64 is float64 in torch, float32 in Triton
                 target = "tl.int32" if comp == torch.int64 and not self.wide else _TL_DTYPE[comp]
@@ -377,7 +379,7 @@ class _Gen:
         unknown = unmodelled_kwargs(node)
         if unknown:  # e.g. add(x, y, alpha=2): generating it without would change the value
             raise Unsupported(f"{_where(node)} has keyword arguments the generator does not model: {unknown}")
-        if constant_wraps(list(node.args), lambda a: self.metas[a].dtype if isinstance(self.metas.get(a), torch.Tensor)
+        if constant_wraps(list(node.args) + list(node.kwargs.values()), lambda a: self.metas[a].dtype if isinstance(self.metas.get(a), torch.Tensor)
                           else None):
             raise Unsupported(f"{_where(node)} uses an integer constant outside its tensor's dtype, which torch "
                               "wraps into it")
@@ -556,12 +558,13 @@ def _cast(gen: _Gen, node: fx.Node, roles):
 
 
 def _where_fn(gen: _Gen, node: fx.Node, roles):
-    c, a, b = (gen.arg(x) for x in node.args[:3])
+    c, a, b = gen.arg(node.args[0], condition=True), gen.arg(node.args[1]), gen.arg(node.args[2])
     return gen.emit(f"tl.where({c.expr}, {a.expr}, {b.expr})", node, roles)
 
 
 def _masked_fill(gen: _Gen, node: fx.Node, roles):
-    x, m, val = (gen.arg(a) for a in (*node.args[:2], node.args[2] if len(node.args) > 2 else node.kwargs["value"]))
+    x, m = gen.arg(node.args[0]), gen.arg(node.args[1], condition=True)
+    val = gen.arg(node.args[2] if len(node.args) > 2 else node.kwargs["value"])
     return gen.emit(f"tl.where({m.expr}, {val.expr}, {x.expr})", node, roles)
 
 

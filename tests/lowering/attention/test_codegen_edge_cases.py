@@ -138,3 +138,28 @@ def masked_fill_tensor_inf(score, q_pos, k_pos):
 @pytest.mark.parametrize("fn", [full_like_inf, where_tensor_inf, masked_fill_tensor_inf])
 def test_non_finite_constants_run_in_the_kernel(fn):
     _check(fn, activation="softmax", causal=False)
+
+
+# -- 5. bool operands of integer arithmetic; integer bounds given as keywords -----------------------------
+
+
+def bool_mod(score, q_pos, k_pos, k_side_0):
+    return score + ((k_pos > q_pos) % 2).float() + (k_side_0 // 2).float() + (k_side_0 * 3 - 1).float()
+
+
+def uint8_clamp_wrapped(score, q_pos, k_pos, k_side_0):
+    return score + torch.clamp(k_side_0, min=-5, max=5).float()  # torch wraps -5 into uint8: 251
+
+
+def uint8_clamp_keywords(score, q_pos, k_pos, k_side_0):
+    return score + torch.clamp(k_side_0, min=2, max=100).float() + k_side_0.clamp(max=7).float()
+
+
+BOOLS = torch.tensor([True, False, True, True, False, False, True, False, True, True, False, True])
+BYTES = torch.tensor([200, 3, 7, 0, 255, 1, 2, 99, 100, 101, 6, 8], dtype=torch.uint8)
+
+
+def test_bool_operands_are_promoted_and_wrapped_keyword_constants_run_the_reference():
+    _check(bool_mod, k_side=[BOOLS])
+    _check(uint8_clamp_keywords, k_side=[BYTES])
+    _check(uint8_clamp_wrapped, k_side=[BYTES], fallback="wraps")
