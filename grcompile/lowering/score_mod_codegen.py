@@ -572,12 +572,15 @@ def _clamp(gen: _Gen, node: fx.Node, roles):
     x = gen.arg(node.args[0])
     lo, hi = _clamp_bounds(node)
     expr = x.expr
+    # a NaN x stays NaN (its comparisons fail); a NaN tensor bound gives NaN, as in torch
     if lo is not None:
         lo_v = gen.arg(lo)
-        expr = f"tl.where({expr} < {lo_v.expr}, {lo_v.expr}, {expr})"
+        nan = f" | ({lo_v.expr} != {lo_v.expr})" if isinstance(lo, fx.Node) else ""
+        expr = f"tl.where(({expr} < {lo_v.expr}){nan}, {lo_v.expr}, {expr})"
     if hi is not None:
         hi_v = gen.arg(hi)
-        expr = f"tl.where({expr} > {hi_v.expr}, {hi_v.expr}, {expr})"
+        nan = f" | ({hi_v.expr} != {hi_v.expr})" if isinstance(hi, fx.Node) else ""
+        expr = f"tl.where(({expr} > {hi_v.expr}){nan}, {hi_v.expr}, {expr})"
     return gen.emit(expr, node, roles)
 
 
@@ -587,7 +590,9 @@ def _minmax(kind: str) -> Callable:
             raise Unsupported(f"{_where(node)}: only the two-tensor form of {kind} is supported")
         a, b = (gen.arg(x) for x in node.args)
         cmp = "<" if kind == "min" else ">"
-        return gen.emit(f"tl.where({a.expr} {cmp} {b.expr}, {a.expr}, {b.expr})", node, roles)
+        # torch propagates a NaN of either operand (b's is taken when a's comparison fails)
+        return gen.emit(f"tl.where(({a.expr} {cmp} {b.expr}) | ({a.expr} != {a.expr}), {a.expr}, {b.expr})",
+                        node, roles)
     return handler
 
 
@@ -710,8 +715,10 @@ def _log1p(gen: _Gen, node: fx.Node, roles):
     xv = x.expr  # an integer arrives converted to the float dtype torch computes log1p in
     u = gen.fresh("u")
     gen.lines.append(f"{u} = 1.0 + {xv}")
-    # log(u) * x / (u - 1): accurate for small x (Goldberg), exact when u == 1
-    return gen.emit(f"tl.where({u} == 1.0, {xv}, tl.log({u}) * ({xv} / ({u} - 1.0)))", node, roles)
+    # log(u) * x / (u - 1): accurate for small x (Goldberg), exact when u == 1; an infinite (or
+    # NaN) u is its own log1p (inf / inf would make NaN of log1p(inf))
+    return gen.emit(f"tl.where({u} == 1.0, {xv}, tl.where({u} - {u} != 0.0, {u}, tl.log({u}) * ({xv} / ({u} - 1.0))))",
+                    node, roles)
 
 
 def _silu(gen: _Gen, node: fx.Node, roles):
@@ -731,7 +738,7 @@ def _neg(gen: _Gen, node: fx.Node, roles):
 _FLOAT_UNARY = {"exp": "tl.exp({x})", "log": "tl.log({x})", "log2": "tl.log2({x})", "exp2": "tl.exp2({x})", "sqrt": "tl.sqrt({x})", "rsqrt": "tl.rsqrt({x})",
                 "sigmoid": "1.0 / (1.0 + tl.exp(-{x}))", "tanh": "2.0 / (1.0 + tl.exp(-2.0 * {x})) - 1.0",
                 "floor": "tl.floor({x})", "ceil": "tl.ceil({x})"}
-_ANY_UNARY = {"abs": "tl.abs({x})", "relu": "tl.where({x} > 0, {x}, 0)"}
+_ANY_UNARY = {"abs": "tl.abs({x})", "relu": "tl.where(({x} > 0) | ({x} != {x}), {x}, 0)"}  # relu(NaN) is NaN
 
 _FUNCTIONS: dict[Any, Callable] = {
     operator.add: _binary("+"), operator.sub: _binary("-"), operator.mul: _binary("*"),
@@ -921,8 +928,9 @@ class _Backward:
                 self.add(hi, f"tl.where({above} > {hi_v}, {g}, 0.0)", roles)
         elif name in ("minimum", "maximum", "min", "max"):
             a, b = x(0), x(1)
-            win = "<" if name in ("minimum", "min") else ">"
-            self.add(args[0], f"tl.where({a} == {b}, {g} * 0.5, tl.where({a} {win} {b}, {g}, 0.0))", roles)
+            win, lose = ("<", ">") if name in ("minimum", "min") else (">", "<")
+            # torch's: each operand's gradient unless it loses (both get it where one is NaN), halves on ties
+            self.add(args[0], f"tl.where({a} == {b}, {g} * 0.5, tl.where({a} {lose} {b}, 0.0, {g}))", roles)
             self.add(args[1], f"tl.where({a} == {b}, {g} * 0.5, tl.where({a} {win} {b}, 0.0, {g}))", roles)
         elif name == "abs":
             self.add(args[0], f"tl.where({x(0)} > 0, {g}, tl.where({x(0)} < 0, -{g}, 0.0))", roles)

@@ -163,3 +163,33 @@ def test_bool_operands_are_promoted_and_wrapped_keyword_constants_run_the_refere
     _check(bool_mod, k_side=[BOOLS])
     _check(uint8_clamp_keywords, k_side=[BYTES])
     _check(uint8_clamp_wrapped, k_side=[BYTES], fallback="wraps")
+
+
+# -- 6. NaN and inf as torch treats them ------------------------------------------------------------------
+
+
+def _nan_to_three(x):
+    return torch.where(x != x, 3.0, x)
+
+
+def min_max_of_nan(score, q_pos, k_pos, k_side_0):
+    a, zero = torch.log(k_side_0), torch.zeros_like(k_side_0)  # log(-1) is NaN
+    return (score + _nan_to_three(torch.minimum(a, zero)) + _nan_to_three(torch.maximum(zero, a))
+            + _nan_to_three(torch.max(a, zero * 0.5)))
+
+
+def relu_of_nan(score, q_pos, k_pos, k_side_0):
+    return score + _nan_to_three(torch.relu(torch.log(k_side_0))) + _nan_to_three(torch.log(k_side_0).relu())
+
+
+def log1p_of_inf(score, q_pos, k_pos, k_side_0):
+    return score + torch.log1p(k_side_0 * 1e30 * 1e30).clamp(max=5.0)  # log1p(inf) is inf
+
+
+WITH_NEGATIVES = FLOATS.masked_fill(FLOATS == 0, 0.25)  # their log is NaN (and no log(0) = -inf)
+
+
+@pytest.mark.parametrize("fn, k_side", [(min_max_of_nan, WITH_NEGATIVES), (relu_of_nan, WITH_NEGATIVES),
+                                        (log1p_of_inf, torch.tensor([0, 1, 2, 0, 3, 1, 0, 0, 5, 1, 1, 0]))])
+def test_nan_and_inf_propagate_as_in_torch(fn, k_side):
+    _check(fn, k_side=[k_side.clone()])
