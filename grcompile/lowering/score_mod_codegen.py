@@ -175,10 +175,24 @@ def _propagate(gm: fx.GraphModule, args) -> dict[fx.Node, Any]:
     return metas
 
 
+def _canonical_lookups(gm: fx.GraphModule) -> None:
+    """``x.__getitem__(i)`` as ``operator.getitem(x, i)`` (the same op): torch.fx records indexing
+    a constant tensor captured from the enclosing scope (``BUCKETS[gap]``) as the method call, a
+    proxy as the function; the generator and the ranges know lookups by the latter."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_method" and node.target == "__getitem__" and len(node.args) == 2 and not node.kwargs:
+            node.op, node.target = "call_function", operator.getitem
+            changed = True
+    if changed:
+        gm.recompile()
+
+
 def graph_with_metas(mod: ScoreMod, q_sides, k_sides, tables) -> tuple[fx.GraphModule, dict[fx.Node, Any]]:
     """``mod``'s graph (:func:`score_graph`) and each node's example value, a fake tensor of the
     dtype torch computes (:class:`Unsupported` if it cannot be traced or evaluated)."""
     gm = score_graph(mod, len(q_sides), len(k_sides), len(tables))
+    _canonical_lookups(gm)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         try:

@@ -193,3 +193,17 @@ WITH_NEGATIVES = FLOATS.masked_fill(FLOATS == 0, 0.25)  # their log is NaN (and 
                                         (log1p_of_inf, torch.tensor([0, 1, 2, 0, 3, 1, 0, 0, 5, 1, 1, 0]))])
 def test_nan_and_inf_propagate_as_in_torch(fn, k_side):
     _check(fn, k_side=[k_side.clone()])
+
+
+# -- 7. a constant table captured from the enclosing scope, indexed with a tensor -------------------------
+
+
+BUCKET_OF_GAP = torch.tensor([0, 1, 2, 3, 4, 4, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7])
+
+
+def fixed_buckets(score, q_pos, k_pos, table_0):
+    return score + table_0[BUCKET_OF_GAP[(q_pos - k_pos).abs().clamp(max=15)]]
+
+
+def test_a_captured_constant_table_runs_in_the_kernel():
+    _check(fixed_buckets, tables=[torch.randn(8, generator=torch.Generator().manual_seed(1))])
