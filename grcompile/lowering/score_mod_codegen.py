@@ -586,15 +586,16 @@ def _clamp(gen: _Gen, node: fx.Node, roles):
     x = gen.arg(node.args[0])
     lo, hi = _clamp_bounds(node)
     expr = x.expr
-    # a NaN x stays NaN (its comparisons fail); a NaN tensor bound gives NaN, as in torch
-    if lo is not None:
-        lo_v = gen.arg(lo)
-        nan = f" | ({lo_v.expr} != {lo_v.expr})" if isinstance(lo, fx.Node) else ""
-        expr = f"tl.where(({expr} < {lo_v.expr}){nan}, {lo_v.expr}, {expr})"
-    if hi is not None:
-        hi_v = gen.arg(hi)
-        nan = f" | ({hi_v.expr} != {hi_v.expr})" if isinstance(hi, fx.Node) else ""
-        expr = f"tl.where(({expr} > {hi_v.expr}){nan}, {hi_v.expr}, {expr})"
+    # a NaN x stays NaN (its comparisons fail); a NaN bound gives NaN, as in torch
+    for bound, cmp in ((lo, "<"), (hi, ">")):
+        if bound is None:
+            continue
+        b = gen.arg(bound).expr
+        if isinstance(bound, float) and math.isnan(bound):
+            expr = f"{expr} + {b}"
+        else:
+            nan = f" | ({b} != {b})" if isinstance(bound, fx.Node) else ""
+            expr = f"tl.where(({expr} {cmp} {b}){nan}, {b}, {expr})"
     return gen.emit(expr, node, roles)
 
 

@@ -182,6 +182,10 @@ def relu_of_nan(score, q_pos, k_pos, k_side_0):
     return score + _nan_to_three(torch.relu(torch.log(k_side_0))) + _nan_to_three(torch.log(k_side_0).relu())
 
 
+def clamp_by_nan(score, q_pos, k_pos, k_side_0):
+    return score + _nan_to_three(k_side_0.clamp(min=float("nan"))) + _nan_to_three(k_side_0.clamp(max=k_side_0.log()))
+
+
 def log1p_of_inf(score, q_pos, k_pos, k_side_0):
     return score + torch.log1p(k_side_0 * 1e30 * 1e30).clamp(max=5.0)  # log1p(inf) is inf
 
@@ -190,6 +194,7 @@ WITH_NEGATIVES = FLOATS.masked_fill(FLOATS == 0, 0.25)  # their log is NaN (and 
 
 
 @pytest.mark.parametrize("fn, k_side", [(min_max_of_nan, WITH_NEGATIVES), (relu_of_nan, WITH_NEGATIVES),
+                                        (clamp_by_nan, WITH_NEGATIVES),
                                         (log1p_of_inf, torch.tensor([0, 1, 2, 0, 3, 1, 0, 0, 5, 1, 1, 0]))])
 def test_nan_and_inf_propagate_as_in_torch(fn, k_side):
     _check(fn, k_side=[k_side.clone()])
