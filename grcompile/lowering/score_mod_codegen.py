@@ -175,10 +175,24 @@ def _propagate(gm: fx.GraphModule, args) -> dict[fx.Node, Any]:
     return metas
 
 
+def _canonical_lookups(gm: fx.GraphModule) -> None:
+    """``x.__getitem__(i)`` as ``operator.getitem(x, i)`` (the same op): torch.fx records indexing
+    a constant tensor captured from the enclosing scope (``BUCKETS[gap]``) as the method call, a
+    proxy as the function; the generator and the ranges know lookups by the latter."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_method" and node.target == "__getitem__" and len(node.args) == 2 and not node.kwargs:
+            node.op, node.target = "call_function", operator.getitem
+            changed = True
+    if changed:
+        gm.recompile()
+
+
 def graph_with_metas(mod: ScoreMod, q_sides, k_sides, tables) -> tuple[fx.GraphModule, dict[fx.Node, Any]]:
     """``mod``'s graph (:func:`score_graph`) and each node's example value, a fake tensor of the
     dtype torch computes (:class:`Unsupported` if it cannot be traced or evaluated)."""
     gm = score_graph(mod, len(q_sides), len(k_sides), len(tables))
+    _canonical_lookups(gm)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         try:
@@ -222,6 +236,7 @@ class _Gen:
         self.values: dict[fx.Node, Value] = {}
         self.lines = code.forward
         self.tables: dict[fx.Node, int] = {}  # table placeholder / get_attr -> table slot
+        self.scalars: dict[fx.Node, Any] = {}  # 0-d get_attr constants -> their Python number
         self.n_tab = len(tables)
         self.tmp = 0
         self.interval: Optional[tuple[int, int]] = None  # of the node being generated
@@ -290,13 +305,17 @@ class _Gen:
                 self.tables[node] = i
 
     # -- nodes ---------------------------------------------------------------------------------
-    def arg(self, a: Any) -> Value:
+    def arg(self, a: Any, condition: bool = False) -> Value:
+        """``a`` as the node being generated computes with it (converted to ``self.comp``; a bool
+        too, as torch promotes it, unless it is a ``condition``: where's, masked_fill's mask)."""
         if isinstance(a, fx.Node):
             if a in self.tables:
                 raise Unsupported(f"the table {a.name} is used other than by an index lookup")
+            if a in self.scalars:  # converted where it is used, as a Python number is
+                return self.arg(self.scalars[a])
             value = self.values[a]
             comp = self.comp
-            if comp is not None and value.dtype not in (None, torch.bool, comp):
+            if comp is not None and value.dtype not in (None, comp) and not (condition and value.dtype == torch.bool):
                 # torch's promotion, not Triton's: int8 - uint8 is int16 in torch, uint8 in Triton;
                 # an int64 divided by a float64 is float64 in torch, float32 in Triton
                 target = "tl.int32" if comp == torch.int64 and not self.wide else _TL_DTYPE[comp]
@@ -353,8 +372,10 @@ class _Gen:
             value = getattr(value, part)
         if not isinstance(value, torch.Tensor):
             raise Unsupported(f"the constant {node.target} is not a tensor")
-        if value.dim() == 0:
-            self.values[node] = Value(repr(value.item()), None, frozenset(), node)
+        if value.dim() == 0:  # a number: written as a Python constant is (arg), e.g. -inf as float('-inf')
+            self.scalars[node] = value.item()
+            self.comp, self.wide = None, False  # (not the previous node's)
+            self.values[node] = Value(self.arg(value.item()).expr, None, frozenset(), node)
             return
         self.tables[node] = self.n_tab + len(self.code.constants)
         self.code.constants.append(value.detach())
@@ -372,7 +393,7 @@ class _Gen:
         unknown = unmodelled_kwargs(node)
         if unknown:  # e.g. add(x, y, alpha=2): generating it without would change the value
             raise Unsupported(f"{_where(node)} has keyword arguments the generator does not model: {unknown}")
-        if constant_wraps(list(node.args), lambda a: self.metas[a].dtype if isinstance(self.metas.get(a), torch.Tensor)
+        if constant_wraps(list(node.args) + list(node.kwargs.values()), lambda a: self.metas[a].dtype if isinstance(self.metas.get(a), torch.Tensor)
                           else None):
             raise Unsupported(f"{_where(node)} uses an integer constant outside its tensor's dtype, which torch "
                               "wraps into it")
@@ -551,12 +572,13 @@ def _cast(gen: _Gen, node: fx.Node, roles):
 
 
 def _where_fn(gen: _Gen, node: fx.Node, roles):
-    c, a, b = (gen.arg(x) for x in node.args[:3])
+    c, a, b = gen.arg(node.args[0], condition=True), gen.arg(node.args[1]), gen.arg(node.args[2])
     return gen.emit(f"tl.where({c.expr}, {a.expr}, {b.expr})", node, roles)
 
 
 def _masked_fill(gen: _Gen, node: fx.Node, roles):
-    x, m, val = (gen.arg(a) for a in (*node.args[:2], node.args[2] if len(node.args) > 2 else node.kwargs["value"]))
+    x, m = gen.arg(node.args[0]), gen.arg(node.args[1], condition=True)
+    val = gen.arg(node.args[2] if len(node.args) > 2 else node.kwargs["value"])
     return gen.emit(f"tl.where({m.expr}, {val.expr}, {x.expr})", node, roles)
 
 
@@ -564,12 +586,16 @@ def _clamp(gen: _Gen, node: fx.Node, roles):
     x = gen.arg(node.args[0])
     lo, hi = _clamp_bounds(node)
     expr = x.expr
-    if lo is not None:
-        lo_v = gen.arg(lo)
-        expr = f"tl.where({expr} < {lo_v.expr}, {lo_v.expr}, {expr})"
-    if hi is not None:
-        hi_v = gen.arg(hi)
-        expr = f"tl.where({expr} > {hi_v.expr}, {hi_v.expr}, {expr})"
+    # a NaN x stays NaN (its comparisons fail); a NaN bound gives NaN, as in torch
+    for bound, cmp in ((lo, "<"), (hi, ">")):
+        if bound is None:
+            continue
+        b = gen.arg(bound).expr
+        if isinstance(bound, float) and math.isnan(bound):
+            expr = f"{expr} + {b}"
+        else:
+            nan = f" | ({b} != {b})" if isinstance(bound, fx.Node) else ""
+            expr = f"tl.where(({expr} {cmp} {b}){nan}, {b}, {expr})"
     return gen.emit(expr, node, roles)
 
 
@@ -579,7 +605,9 @@ def _minmax(kind: str) -> Callable:
             raise Unsupported(f"{_where(node)}: only the two-tensor form of {kind} is supported")
         a, b = (gen.arg(x) for x in node.args)
         cmp = "<" if kind == "min" else ">"
-        return gen.emit(f"tl.where({a.expr} {cmp} {b.expr}, {a.expr}, {b.expr})", node, roles)
+        # torch propagates a NaN of either operand (b's is taken when a's comparison fails)
+        return gen.emit(f"tl.where(({a.expr} {cmp} {b.expr}) | ({a.expr} != {a.expr}), {a.expr}, {b.expr})",
+                        node, roles)
     return handler
 
 
@@ -593,8 +621,8 @@ def _full(gen: _Gen, node: fx.Node, roles):
 def _full_like(value: Optional[float]) -> Callable:
     def handler(gen: _Gen, node: fx.Node, roles):
         x = gen.arg(node.args[0])
-        fill = value if value is not None else node.args[1]
-        return gen.emit(f"tl.zeros_like({x.expr}) + {fill!r}", node, roles)
+        fill = gen.arg(value if value is not None else node.args[1])  # float('-inf'), not a bare -inf
+        return gen.emit(f"tl.zeros_like({x.expr}) + {fill.expr}", node, roles)
     return handler
 
 
@@ -651,10 +679,30 @@ def _int_floor_parts(gen: _Gen, a: Value, b: Value) -> tuple[str, str]:
     return f"tl.where({fix}, {q} - 1, {q})", f"tl.where({fix}, {r} + {b.expr}, {r})"
 
 
+def _float_remainder(gen: _Gen, a: Value, b: Value) -> tuple[str, str]:
+    """``(fmod(a, b), torch's remainder)`` of floats: Triton's float ``%`` is C's fmod (exact);
+    torch's remainder moves it to the divisor's sign."""
+    m, fix = gen.fresh("m"), gen.fresh("fix")
+    gen.lines.append(f"{m} = {a.expr} % {b.expr}")
+    gen.lines.append(f"{fix} = ({m} != 0) & (({m} < 0) != ({b.expr} < 0))")
+    return m, f"tl.where({fix}, {m} + {b.expr}, {m})"
+
+
 def _floordiv(gen: _Gen, node: fx.Node, roles):
     a, b = (gen.arg(x) for x in node.args[:2])
     if _is_float(gen, a, b):
-        return gen.emit(f"tl.floor({a.expr} / {b.expr})", node, roles)
+        # torch's div_floor_floating (Python's float //), not floor(a / b): 1.0 // 0.1 is 9, while
+        # the rounded 1.0 / 0.1 is 10. The quotient of a minus its fmod is an integer up to
+        # rounding, one less where the remainder's sign differs from b's, then rounded to nearest
+        m, _ = _float_remainder(gen, a, b)
+        d, f = gen.fresh("d"), gen.fresh("f")
+        gen.lines.append(f"{d} = ({a.expr} - {m}) / {b.expr}")
+        gen.lines.append(f"{d} = tl.where(({m} != 0) & (({m} < 0) != ({b.expr} < 0)), {d} - 1.0, {d})")
+        gen.lines.append(f"{f} = tl.floor({d})")
+        gen.lines.append(f"{f} = tl.where({d} - {f} > 0.5, {f} + 1.0, {f})")
+        # a zero quotient takes the sign of a / b; division by zero is IEEE's a / b
+        q = f"{a.expr} / {b.expr}"
+        return gen.emit(f"tl.where({b.expr} == 0, {q}, tl.where({d} != 0, {f}, ({q}) * 0.0))", node, roles)
     return gen.emit(_int_floor_parts(gen, a, b)[0], node, roles)
 
 
@@ -673,9 +721,7 @@ def _mod(gen: _Gen, node: fx.Node, roles):
     """torch.remainder / ``%``: the sign of the divisor (Python's), not C's fmod."""
     a, b = (gen.arg(x) for x in node.args[:2])
     if _is_float(gen, a, b):  # torch's: fmod (Triton's float %, exact), moved to the divisor's sign
-        m = gen.fresh("m")
-        gen.lines.append(f"{m} = {a.expr} % {b.expr}")
-        return gen.emit(f"tl.where(({m} != 0) & (({m} < 0) != ({b.expr} < 0)), {m} + {b.expr}, {m})", node, roles)
+        return gen.emit(_float_remainder(gen, a, b)[1], node, roles)
     return gen.emit(_int_floor_parts(gen, a, b)[1], node, roles)
 
 
@@ -684,8 +730,10 @@ def _log1p(gen: _Gen, node: fx.Node, roles):
     xv = x.expr  # an integer arrives converted to the float dtype torch computes log1p in
     u = gen.fresh("u")
     gen.lines.append(f"{u} = 1.0 + {xv}")
-    # log(u) * x / (u - 1): accurate for small x (Goldberg), exact when u == 1
-    return gen.emit(f"tl.where({u} == 1.0, {xv}, tl.log({u}) * ({xv} / ({u} - 1.0)))", node, roles)
+    # log(u) * x / (u - 1): accurate for small x (Goldberg), exact when u == 1; an infinite (or
+    # NaN) u is its own log1p (inf / inf would make NaN of log1p(inf))
+    return gen.emit(f"tl.where({u} == 1.0, {xv}, tl.where({u} - {u} != 0.0, {u}, tl.log({u}) * ({xv} / ({u} - 1.0))))",
+                    node, roles)
 
 
 def _silu(gen: _Gen, node: fx.Node, roles):
@@ -705,7 +753,7 @@ def _neg(gen: _Gen, node: fx.Node, roles):
 _FLOAT_UNARY = {"exp": "tl.exp({x})", "log": "tl.log({x})", "log2": "tl.log2({x})", "exp2": "tl.exp2({x})", "sqrt": "tl.sqrt({x})", "rsqrt": "tl.rsqrt({x})",
                 "sigmoid": "1.0 / (1.0 + tl.exp(-{x}))", "tanh": "2.0 / (1.0 + tl.exp(-2.0 * {x})) - 1.0",
                 "floor": "tl.floor({x})", "ceil": "tl.ceil({x})"}
-_ANY_UNARY = {"abs": "tl.abs({x})", "relu": "tl.where({x} > 0, {x}, 0)"}
+_ANY_UNARY = {"abs": "tl.abs({x})", "relu": "tl.where(({x} > 0) | ({x} != {x}), {x}, 0)"}  # relu(NaN) is NaN
 
 _FUNCTIONS: dict[Any, Callable] = {
     operator.add: _binary("+"), operator.sub: _binary("-"), operator.mul: _binary("*"),
@@ -810,7 +858,9 @@ class _Backward:
         gen = self.gen
         gen.comp, gen.wide = None, False  # the derivatives combine forward values as they are
         if self.out.node is not None and self.out.node in self.needs:
-            self.adj[self.out.node] = "g_mod"
+            # g_mod is a [BM, BN] tile: a result along the keys only, the queries only or neither
+            # (broadcast to the tile by the forward) gets its in-row pairs' sum, in its own shape
+            self.add(self.out.node, "g_mod", frozenset({"q", "k"}))
         for node in reversed(list(gen.values)):
             g = self.adj.get(node)
             if g is None or (node.op == "placeholder" and not hasattr(gen.values[node], "lookup")):
@@ -870,8 +920,10 @@ class _Backward:
         elif name == "where":
             self.add(args[1], f"tl.where({x(0)}, {g}, 0.0)", roles)
             self.add(args[2], f"tl.where({x(0)}, 0.0, {g})", roles)
-        elif name == "masked_fill":
+        elif name == "masked_fill":  # the value (a 0-d tensor: a table, a computed scalar) gets the filled pairs' sum
+            value = args[2] if len(args) > 2 else node.kwargs.get("value")
             self.add(args[0], f"tl.where({x(1)}, 0.0, {g})", roles)
+            self.add(value, f"tl.where({x(1)}, {g}, 0.0)", roles)
         elif name in ("clamp", "clip", "clamp_min", "clamp_max"):
             lo, hi = _clamp_bounds(node)
             keep = ["(1 == 1)"]
@@ -891,8 +943,9 @@ class _Backward:
                 self.add(hi, f"tl.where({above} > {hi_v}, {g}, 0.0)", roles)
         elif name in ("minimum", "maximum", "min", "max"):
             a, b = x(0), x(1)
-            win = "<" if name in ("minimum", "min") else ">"
-            self.add(args[0], f"tl.where({a} == {b}, {g} * 0.5, tl.where({a} {win} {b}, {g}, 0.0))", roles)
+            win, lose = ("<", ">") if name in ("minimum", "min") else (">", "<")
+            # torch's: each operand's gradient unless it loses (both get it where one is NaN), halves on ties
+            self.add(args[0], f"tl.where({a} == {b}, {g} * 0.5, tl.where({a} {lose} {b}, 0.0, {g}))", roles)
             self.add(args[1], f"tl.where({a} == {b}, {g} * 0.5, tl.where({a} {win} {b}, 0.0, {g}))", roles)
         elif name == "abs":
             self.add(args[0], f"tl.where({x(0)} > 0, {g}, tl.where({x(0)} < 0, -{g}, 0.0))", roles)

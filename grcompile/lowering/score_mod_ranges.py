@@ -226,7 +226,7 @@ def node_interval(node: fx.Node, meta: Any, get: Callable[[Any], Optional[Interv
     if unmodelled_kwargs(node):
         return whole  # e.g. add(x, y, alpha=...): not modelled
     args = list(node.args)
-    if constant_wraps(args, dtype_of):
+    if constant_wraps(args + list(node.kwargs.values()), dtype_of):  # clamp(x, min=-5): keywords too
         return whole
 
     def operand(i: int) -> Optional[Interval]:
