@@ -120,7 +120,14 @@ class ShapePolicy:
         shapes = {path: tuple(t.shape) for path, t in flat}
         self._call, self._change = flat, ""
         compiles = state.compiles
-        if self.enabled and self.first is not None and shapes != self.first:
+        stance: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if self.enabled and (self.dynamic or (self.first is not None and shapes != self.first)) \
+                and self._empty_rows(flat):
+            # the symbolic graph holds rows >= 1 (``_mark``): an empty batch runs the user's code
+            # eagerly (nothing to optimize in it) instead of compiling a graph for it
+            state.counters["shapes.empty_batch_eager"] += 1
+            stance = torch.compiler.set_stance("force_eager")
+        elif self.enabled and self.first is not None and shapes != self.first:
             if not self.dynamic:
                 self._change = self._describe_change(flat)
                 self.dynamic = True
@@ -128,7 +135,7 @@ class ShapePolicy:
         elif self.enabled and self.dynamic:
             self._mark(flat)
         try:
-            with _NO_DUCK_SHAPE, _CAPTURE_DYNAMIC_OUTPUTS:
+            with _NO_DUCK_SHAPE, _CAPTURE_DYNAMIC_OUTPUTS, stance:
                 yield
         finally:
             if self.first is None and state.compiles > compiles:
@@ -138,6 +145,11 @@ class ShapePolicy:
     def _name(self, path: str) -> str:
         return self.names.get(path, path)
 
+    def _empty_rows(self, flat: list[tuple[str, torch.Tensor]]) -> bool:
+        """A row axis of this call's inputs has size 0."""
+        return any(t.shape[dim] == 0 for path, t in flat for dim, role in self.roles.get(path, {}).items()
+                   if role == ROWS and dim < t.dim())
+
     def _mark(self, flat: list[tuple[str, torch.Tensor]]) -> None:
         for path, t in flat:
             roles = self.roles.get(path, {})
@@ -145,7 +157,8 @@ class ShapePolicy:
                 if dim >= t.dim():
                     continue
                 if role == ROWS:
-                    torch._dynamo.decorators.mark_unbacked(t, dim)
+                    # min=1: the graph may assume a row exists (the module docstring, point 2)
+                    torch._dynamo.decorators.mark_unbacked(t, dim, min=1)
                 else:
                     torch._dynamo.maybe_mark_dynamic(t, dim)
             before = (self.first or {}).get(path)
