@@ -14,7 +14,15 @@ What grcompile does instead, scoped to calls of the optimized model:
    *unbacked* (``mark_unbacked``: no 0/1 specialisation, so batches of 1 reuse the graph, and no
    size hints, so inductor adds no ``B·N <= 4096``-style guards) and every position axis backed
    dynamic (``maybe_mark_dynamic``), plus any other axis that changed. Dynamo recompiles once;
-   later calls keep the same marks and hit that graph for any B, any N >= 2 and any length mix.
+   later calls keep the same marks and hit that graph for any B >= 1, any N >= 2 and any length
+   mix. Rows are marked with ``min=1`` (a guard ``1 <= B``, and the range [1, inf) for the
+   symbol): a plain unbacked B may be 0, so user code that needs B·N != 0 cannot be traced —
+   ``reshape(B, N, -1)`` infers the -1 in C++ with a check on ``Ne(B*N, 0)`` (a graph break,
+   and inside a loop the whole frame eager), ``F.dropout`` tests ``numel() == 0`` (the fusion
+   passes failed on the expanded attention's dropout). The range answers both without a size
+   hint, so nothing is specialised to the batch at hand. A batch of 0 rows after that runs the
+   user's code eagerly (``force_eager``; nothing to optimize in it, and eager is what such a
+   batch got from the static graph's zero-size path); counted as ``shapes.empty_batch_eager``.
 3. Duck sizing is off inside our calls (``use_duck_shape=False``): a ``[B, R]`` input with
    ``R == N`` at the moment of the recompile does not get N's symbol (it would be guarded equal).
 
