@@ -25,7 +25,8 @@ from .dump import describe_inputs, emit_artifact, write_dump, write_score_mods
 from ..lowering.checks import pin_checks
 from .failures import describe_error
 from .guarded import GuardedGraph
-from ..passes.pass_manager import GraphPass, PassContext, PassResult, copy_graph, node_site, pass_name, run_pipeline
+from ..passes.pass_manager import (GraphPass, PassContext, PassResult, copy_graph, graph_break, node_site, pass_name,
+                                   run_pipeline)
 from .report import Report
 from .shapes import ShapePolicy
 
@@ -60,6 +61,10 @@ class GrcompileState:
     compiled_signatures: set[tuple] = field(default_factory=set)     # input shapes seen before it
     unoptimized_signatures: set[tuple] = field(default_factory=set)  # new input shapes after it
     shapes: ShapePolicy = field(default_factory=ShapePolicy)  # static first, then symbolic B / N (shapes.py)
+    # (Dynamo's reason, the user's line) for each compiled graph that ends at a graph break: Dynamo
+    # counts only some breaks in counters["graph_break"] (not a data-dependent guard such as
+    # reshape's -1 on an unbacked size, nor data-dependent branching)
+    graph_breaks_seen: list[tuple[str, str]] = field(default_factory=list)
     recompiles: list[dict[str, Any]] = field(default_factory=list)  # {graph, reason} per compile after the first
     remat_budget: float | None = None  # optimize(remat=<float>): AOTAutograd's activation memory budget
     remat_policy: bool = False  # optimize(remat=True): the remat_policy pass tags what to recompute
@@ -67,7 +72,13 @@ class GrcompileState:
     def report(self) -> Report:
         grown = _graph_break_counts()
         grown.subtract(self.graph_breaks_at_start)
-        reasons = {k: v for k, v in grown.items() if v > 0}
+        reasons: Counter[str] = Counter()
+        for why, site in self.graph_breaks_seen:  # those with a graph before them, with the user's line
+            reasons[f"{site}: {why.split(chr(10) * 2)[0].strip()}"] += 1  # its first paragraph
+            if grown[why] > 0:  # Dynamo counted this one too
+                grown[why] -= 1
+        reasons.update({k: v for k, v in grown.items() if v > 0})  # breaks with no graph before them
+        reasons = dict(reasons)
         from ..lowering import kernel_fallbacks, kernel_usage
         return Report(rewrites=list(self.rewrites), fallbacks=list(self.fallbacks),
                       kernels=kernel_usage(), kernel_fallbacks=kernel_fallbacks(),
@@ -96,6 +107,8 @@ class GrcompileBackend:
             f"lowering: {state.lowering}",
         ])
 
+        if (gb := graph_break(gm)) is not None:
+            state.graph_breaks_seen.append(gb)
         region = _region_site(gm)  # where the captured region starts
         empty = _zero_size_input(gm, example_inputs)
         if empty is not None:

@@ -14,7 +14,15 @@ What grcompile does instead, scoped to calls of the optimized model:
    *unbacked* (``mark_unbacked``: no 0/1 specialisation, so batches of 1 reuse the graph, and no
    size hints, so inductor adds no ``B·N <= 4096``-style guards) and every position axis backed
    dynamic (``maybe_mark_dynamic``), plus any other axis that changed. Dynamo recompiles once;
-   later calls keep the same marks and hit that graph for any B, any N >= 2 and any length mix.
+   later calls keep the same marks and hit that graph for any B >= 1, any N >= 2 and any length
+   mix. Rows are marked with ``min=1`` (a guard ``1 <= B``, and the range [1, inf) for the
+   symbol): a plain unbacked B may be 0, so user code that needs B·N != 0 cannot be traced —
+   ``reshape(B, N, -1)`` infers the -1 in C++ with a check on ``Ne(B*N, 0)`` (a graph break,
+   and inside a loop the whole frame eager), ``F.dropout`` tests ``numel() == 0`` (the fusion
+   passes failed on the expanded attention's dropout). The range answers both without a size
+   hint, so nothing is specialised to the batch at hand. A batch of 0 rows after that runs the
+   user's code eagerly (``force_eager``; nothing to optimize in it, and eager is what such a
+   batch got from the static graph's zero-size path); counted as ``shapes.empty_batch_eager``.
 3. Duck sizing is off inside our calls (``use_duck_shape=False``): a ``[B, R]`` input with
    ``R == N`` at the moment of the recompile does not get N's symbol (it would be guarded equal).
 
@@ -120,7 +128,14 @@ class ShapePolicy:
         shapes = {path: tuple(t.shape) for path, t in flat}
         self._call, self._change = flat, ""
         compiles = state.compiles
-        if self.enabled and self.first is not None and shapes != self.first:
+        stance: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if self.enabled and (self.dynamic or (self.first is not None and shapes != self.first)) \
+                and self._empty_rows(flat):
+            # the symbolic graph holds rows >= 1 (``_mark``): an empty batch runs the user's code
+            # eagerly (nothing to optimize in it) instead of compiling a graph for it
+            state.counters["shapes.empty_batch_eager"] += 1
+            stance = torch.compiler.set_stance("force_eager")
+        elif self.enabled and self.first is not None and shapes != self.first:
             if not self.dynamic:
                 self._change = self._describe_change(flat)
                 self.dynamic = True
@@ -128,7 +143,7 @@ class ShapePolicy:
         elif self.enabled and self.dynamic:
             self._mark(flat)
         try:
-            with _NO_DUCK_SHAPE, _CAPTURE_DYNAMIC_OUTPUTS:
+            with _NO_DUCK_SHAPE, _CAPTURE_DYNAMIC_OUTPUTS, stance:
                 yield
         finally:
             if self.first is None and state.compiles > compiles:
@@ -138,6 +153,11 @@ class ShapePolicy:
     def _name(self, path: str) -> str:
         return self.names.get(path, path)
 
+    def _empty_rows(self, flat: list[tuple[str, torch.Tensor]]) -> bool:
+        """A row axis of this call's inputs has size 0."""
+        return any(t.shape[dim] == 0 for path, t in flat for dim, role in self.roles.get(path, {}).items()
+                   if role == ROWS and dim < t.dim())
+
     def _mark(self, flat: list[tuple[str, torch.Tensor]]) -> None:
         for path, t in flat:
             roles = self.roles.get(path, {})
@@ -145,7 +165,8 @@ class ShapePolicy:
                 if dim >= t.dim():
                     continue
                 if role == ROWS:
-                    torch._dynamo.decorators.mark_unbacked(t, dim)
+                    # min=1: the graph may assume a row exists (the module docstring, point 2)
+                    torch._dynamo.decorators.mark_unbacked(t, dim, min=1)
                 else:
                     torch._dynamo.maybe_mark_dynamic(t, dim)
             before = (self.first or {}).get(path)

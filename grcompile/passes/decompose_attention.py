@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .effects import fresh
 from .layout import Token
 from .op_semantics import arg, canonical, example, shape_of
 
@@ -76,18 +77,62 @@ def _bind(node: fx.Node, names: tuple[str, ...], defaults: dict[str, Any]) -> di
     return bound
 
 
+FUNCTIONALISED = "grcompile_functionalised_fill"  # meta key: a scores fill made out-of-place
+
+
 def functionalise_masked_fill(gm: fx.GraphModule) -> int:
     """``t.masked_fill_(m, v)`` → ``t.masked_fill(m, v)`` where ``t`` is a fresh tensor from a
     factory (``zeros_like``, ``full``, ...) read by nothing else — torch's bool→additive mask
-    conversion: the same value, and no other tensor shares its storage (a view would)."""
+    conversion: the same value, and no other tensor shares its storage (a view would).
+
+    Also the scores of a spelled-out attention filled in place (nanoGPT's
+    ``att.masked_fill_(mask, -inf)``; Dynamo keeps the write, and the softmax reads ``att``'s
+    original node): where ``t`` is a fresh tensor (``q @ kᵀ``, a product, an earlier fill: no
+    other value shares its storage), a softmax reads it after the fill, and nothing that reads it
+    before the fill may alias it, the fill becomes ``f = t.masked_fill(m, v)`` and every reader of ``t`` after it reads ``f`` — the
+    values each reader sees are unchanged. Such a fill is marked (``FUNCTIONALISED``):
+    ``refill_in_place`` writes it back in place if it is still in the graph after fusion (one
+    ``[B, H, N, N]`` copy less).
+    """
     count = 0
-    for node in gm.graph.nodes:
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
         if node.op != "call_method" or node.target != "masked_fill_" or not node.args:
             continue
         t = node.args[0]
-        if isinstance(t, fx.Node) and canonical(t) == "factory" and set(t.users) == {node}:
+        if not isinstance(t, fx.Node):
+            continue
+        if canonical(t) == "factory" and set(t.users) == {node}:
             node.target = "masked_fill"
             count += 1
+            continue
+        if not fresh(t) or not isinstance(example(t), torch.Tensor):
+            continue
+        before = [u for u in t.users if u is not node and order[u] < order[node]]
+        if any(not fresh(u) for u in before):  # a view taken before the fill sees it
+            continue
+        later = [u for u in t.users if u is not node and order[u] > order[node]]
+        if not any(canonical(u) == "softmax" for u in later):  # attention scores only
+            continue
+        node.target = "masked_fill"
+        node.meta[FUNCTIONALISED] = True
+        for u in later:
+            u.replace_input_with(t, node)
+        count += 1
+    return count
+
+
+def refill_in_place(gm: fx.GraphModule) -> int:
+    """Undo ``functionalise_masked_fill``'s scores rewrite where the fill survived fusion (the
+    attention was not fused, or the filled scores are read elsewhere): ``t.masked_fill_(m, v)``
+    again, its readers reading ``t`` after it. Returns how many."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if not node.meta.pop(FUNCTIONALISED, False) or node.op != "call_method" or node.target != "masked_fill":
+            continue
+        node.replace_all_uses_with(node.args[0])  # the filled tensor (an earlier fill's already restored)
+        node.target = "masked_fill_"
+        count += 1
     return count
 
 

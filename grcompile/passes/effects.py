@@ -108,6 +108,12 @@ def _may_alias_input(node: fx.Node) -> bool:
     return canonical(node) not in _FRESH and not (canonical(node) == "unary" and name not in _MAY_RETURN_INPUT)
 
 
+def fresh(node: fx.Node) -> bool:
+    """Whether ``node`` is an op known to return a new tensor (sharing storage with none of its
+    inputs) and writing none of them."""
+    return node.op in ("call_function", "call_method") and not _may_alias_input(node)
+
+
 def _is_write(node: fx.Node) -> bool:
     return node.op in ("call_function", "call_method", "call_module") and writes(node)
 
@@ -173,4 +179,4 @@ class WriteOrder:
         return next((w for w in self.writes_to.get(value, ()) if lo < self.order[w] < hi), None)
 
 
-__all__ = ["writes", "is_impure", "remove_dead_code", "written_aliases", "WriteOrder"]
+__all__ = ["fresh", "writes", "is_impure", "remove_dead_code", "written_aliases", "WriteOrder"]

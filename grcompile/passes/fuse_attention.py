@@ -37,7 +37,8 @@ from ..lowering.constant_check import CHECK_UNCHANGED, digest
 from ..lowering.score_mod import register_score_mod
 from ..lowering.score_mod_attention import SCORE_MOD_ATTENTION
 from .attention_capture import TableView, Unsupported, capture, is_size_scalar, prove
-from .decompose_attention import expand_library_attention, functionalise_masked_fill, restore, unbind_as_chunks
+from .decompose_attention import (expand_library_attention, functionalise_masked_fill, refill_in_place, restore,
+                                  unbind_as_chunks)
 from .detect_padding import PADDING, PaddingInfo, analyse, analyse_unpadded
 from .layout import Pair, Token
 from .op_semantics import canonical, describe_op, einsum_parts, example, shape_of
@@ -163,6 +164,13 @@ class FuseAttention(GraphPass):
     name = "fuse_attention"
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        try:
+            self._fuse(gm, ctx)
+        finally:  # in-place score fills the pass made out-of-place and did not fuse away
+            if refill_in_place(gm):
+                gm.graph.lint()
+
+    def _fuse(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         info = gm.meta.get(PADDING)
         # No padding mask: a causal attention over the padded rows is still fused as written (every
         # position counts as valid); the layouts of this analysis stay local to this pass, so no

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ..lowering.semantics import declared
 from .symbolic import static_int
@@ -259,13 +260,15 @@ def _shape_preserving_value(node: fx.Node, args: Any) -> Any:
 def refresh_example_values(gm: fx.GraphModule, strict: bool = True) -> None:
     """Give nodes that earlier passes inserted an ``example_value`` (fake tensors computed from
     their inputs' example values), so layout analysis can run on a rewritten graph. With
-    ``strict=False`` a node that cannot be evaluated (e.g. a guard on a data-dependent size of
-    the jagged block) keeps no value, and neither do the nodes computed from it."""
+    ``strict=False`` a node that cannot be evaluated keeps no value, and neither do the nodes
+    computed from it. A guard on a data-dependent size (the jagged block's T, an unbacked batch)
+    never raises, strict or not: a dropout gets a value of its input's shape, another op none."""
     values = [example(n) for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = next((v.fake_mode for v in values if hasattr(v, "fake_mode")), None)
     if fake_mode is None:
         return
     env: dict[fx.Node, object] = {}
+    undecided: set[fx.Node] = set()
     # An op with a data-dependent size (pack_index) mints an unbacked symbol here, outside any
     # trace; left pending, AOTAutograd would later fail to find it bound. These values are
     # analysis-only, so the ShapeEnv's pending list is restored afterwards.
@@ -278,13 +281,21 @@ def refresh_example_values(gm: fx.GraphModule, strict: bool = True) -> None:
                 if known is not None or n.op in ("placeholder", "output", "get_attr"):
                     env[n] = known
                     continue
+                if any(a in undecided for a in n.all_input_nodes):
+                    undecided.add(n)  # computed from a value a data-dependent guard left unknown
+                    env[n] = None
+                    continue
                 args = fx.node.map_arg(n.args, env.get)
                 try:
                     value = evaluate(n, args, fx.node.map_arg(n.kwargs, env.get))
-                except Exception:  # noqa: BLE001 - analysis-only values
-                    if strict:
+                except Exception as e:  # noqa: BLE001 - analysis-only values
+                    # a guard on a data-dependent size (an unbacked batch or T: dropout's
+                    # ``numel() == 0``) is no fault of the graph, strict or not
+                    if strict and not isinstance(e, GuardOnDataDependentSymNode):
                         raise
                     value = _shape_preserving_value(n, args)
+                    if value is None:
+                        undecided.add(n)
                 if value is not None:
                     n.meta["example_value"] = value
                 env[n] = value

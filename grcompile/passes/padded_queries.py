@@ -31,7 +31,7 @@ from .jagged_region import sequence_softmaxes, unaligned_value
 from . import row_spellings
 from .layout import Flat, Pair, Token, TupleOf, propagate
 from .op_semantics import canonical, describe_op, example
-from .pass_manager import node_site
+from .pass_manager import graph_break, node_site
 
 __all__ = ["padded_rows_reach"]
 
@@ -60,7 +60,9 @@ def padded_rows_reach(start: fx.Node, info, proved: set[fx.Node], outputs_free: 
         if n.op == "output":
             if outputs_free:
                 continue
-            return ("the graph returns it to code after a graph break, which may read its padded positions "
+            gb = graph_break(g.owning_module)
+            at = f" (the break at {gb[1]}: {gb[0].splitlines()[0][:160]})" if gb is not None else ""
+            return (f"the graph returns it to code after a graph break{at}, which may read its padded positions "
                     "(eager's values there differ from the fused op's 0)", [])
         op = canonical(n)
         if n in replaced or op == "factory" or isinstance(example(n), (int, torch.SymInt)):

@@ -16,14 +16,15 @@ import copy
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
 
 from ..lowering.source_site import node_site
 
-__all__ = ["GraphPass", "PassContext", "PassResult", "copy_graph", "node_site", "pass_name", "run_pipeline",
-           "substitute"]
+__all__ = ["GraphPass", "PassContext", "PassResult", "copy_graph", "graph_break", "node_site", "pass_name",
+           "run_pipeline", "substitute"]
 
 
 def ends_at_return(gm: fx.GraphModule) -> bool:
@@ -31,6 +32,19 @@ def ends_at_return(gm: fx.GraphModule) -> bool:
     user gets, and their padded positions are not part of the contract."""
     reason = getattr(gm, "compile_subgraph_reason", None)
     return reason is not None and getattr(reason, "graph_break", True) is False
+
+
+def graph_break(gm: fx.GraphModule | None) -> tuple[str, str] | None:
+    """``(reason, site)`` of the graph break that ends ``gm`` (Dynamo's message and the user's
+    line, ``file.py:27 in forward``); None when the graph ends at the frame's return or Dynamo
+    said nothing."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or getattr(reason, "graph_break", False) is not True:
+        return None
+    stack = getattr(reason, "user_stack", None) or []
+    frame = stack[-1] if stack else None
+    site = f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}" if frame is not None else "<unknown>"
+    return str(getattr(reason, "reason", "")), site
 
 
 class GraphPass:

@@ -205,3 +205,157 @@ def test_hstu_thousand_steps_inductor():
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_outside_style_models_thousand_steps_inductor(name):
     assert_one_dynamic_recompile(run_zoo(name, 1000, "inductor"), ZOO[name])
+
+
+# --- user code that needs rows >= 1 in the symbolic graph ---------------------------------------
+
+class SplitHeadsLoop(torch.nn.Module):
+    """``t.reshape(B, N, H, -1)`` of a ``split`` projection inside a ModuleList loop."""
+
+    class Layer(torch.nn.Module):
+        def __init__(self, d: int = 16, heads: int = 2) -> None:
+            super().__init__()
+            self.heads, self.qkv = heads, torch.nn.Linear(d, 3 * d)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            B, N, D = x.shape
+            q, k, v = (t.reshape(B, N, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(D, -1))
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return x + a.transpose(1, 2).reshape(B, N, D)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(31, 16, padding_idx=0)
+        self.layers = torch.nn.ModuleList(self.Layer() for _ in range(2))
+
+    def forward(self, ids: torch.Tensor, ts: torch.Tensor) -> torch.Tensor:
+        N = ids.shape[1]
+        mask = torch.ones(N, N, dtype=torch.bool).tril() & (ids != 0)[:, None, None, :]
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x
+
+
+class TimeBiasMergeHeads(torch.nn.Module):
+    """HSTU-style time bias, heads merged back with ``permute(0, 2, 1, 3).reshape(B, N, -1)``."""
+
+    def __init__(self, d: int = 16, heads: int = 2, buckets: int = 12) -> None:
+        super().__init__()
+        self.heads, self.buckets = heads, buckets
+        self.emb = torch.nn.Embedding(31, d, padding_idx=0)
+        self.wq, self.wk, self.wv = (torch.nn.Linear(d, d) for _ in range(3))
+        self.tt = torch.nn.Parameter(torch.randn(buckets + 1, heads) * 0.3)
+
+    def forward(self, ids: torch.Tensor, ts: torch.Tensor) -> torch.Tensor:
+        B, N = ids.shape
+        valid = ids != 0
+        x = self.emb(ids)
+        q, k, v = (w(x).view(B, N, self.heads, -1).permute(0, 2, 1, 3) for w in (self.wq, self.wk, self.wv))
+        gap = (ts[:, :, None] - ts[:, None, :]).abs().clamp(min=1).float()
+        bucket = (torch.log(gap) / 1.5).long().clamp(0, self.buckets)
+        allowed = torch.ones(N, N, dtype=torch.bool).tril() & valid[:, None, None, :]
+        scores = q @ k.transpose(-1, -2) + self.tt[bucket].permute(0, 3, 1, 2)
+        a = scores.masked_fill(~allowed, -1e9).softmax(-1) @ v
+        return a.permute(0, 2, 1, 3).reshape(B, N, -1)
+
+
+def ids_ts(B: int, N: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, N + 1, (B,), generator=g)
+    lengths[:2] = torch.tensor([N, 1])[:B]
+    ids = torch.randint(1, 31, (B, N), generator=g) * (torch.arange(N)[None] < lengths[:, None])
+    return ids, 1_700_000_000 + torch.cumsum(torch.randint(0, 10**6, (B, N), generator=g), 1)
+
+
+def step_like_eager(eager: torch.nn.Module, model: torch.nn.Module, fast, args: tuple) -> None:
+    """One training step on both; outputs (at valid positions) and every gradient equal."""
+    valid = (args[0] != 0)[..., None]
+    for m in (eager, model):
+        m.zero_grad(set_to_none=True)
+    out, ref = fast(*args), eager(*args)
+    (out * valid).square().sum().backward()
+    (ref * valid).square().sum().backward()
+    torch.testing.assert_close(out * valid, ref * valid, rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("cls", [SplitHeadsLoop, TimeBiasMergeHeads])
+def test_reshape_minus_one_after_shape_change_stays_optimized(cls):
+    """``reshape(B, N, H, -1)`` / ``reshape(B, N, -1)`` in the graph compiled after a shape change:
+    the -1 is inferred (the rows are >= 1), no graph break, every rewrite of the static graph again
+    (was: "Could not guard on data-dependent expression Ne(7*u1, 0)", the frame or the attention
+    unoptimized while the report said 0 graph breaks)."""
+    torch.manual_seed(0)
+    eager = cls()
+    model = copy.deepcopy(eager)
+    fast = grcompile.optimize(model, lowering="eager")
+    for i, (B, N) in enumerate([(3, 8), (2, 7), (1, 5), (4, 6), (0, 6), (2, 8)]):
+        if B == 0:  # an empty batch runs the user's code eagerly: the -1 is ambiguous there too
+            for m in (eager, fast):
+                with pytest.raises(RuntimeError, match="cannot reshape tensor of 0 elements"):
+                    m(*ids_ts(0, N, seed=i))
+            continue
+        step_like_eager(eager, model, fast, ids_ts(B, N, seed=i))
+    report = grcompile.report(fast)
+    assert_one_dynamic_recompile(report, {("fuse_attention", "score_mod_attention"),
+                                          ("jagged_rewrite", "jagged_attention")})
+    assert report.counters["shapes.empty_batch_eager"] == 1
+
+
+@pytest.mark.parametrize("spelling", ["sdpa", "mha"])
+def test_attention_dropout_after_shape_change_stays_fused(spelling):
+    """Training-mode attention dropout (SDPA's ``dropout_p``, ``nn.MultiheadAttention(dropout=)``):
+    the graph compiled after a shape change fuses it too (was: fuse_attention raised
+    GuardOnDataDependentSymNode on dropout's ``numel() == 0`` and the attention stayed dense)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    try:
+        from sasrec_mha import SASRecMHA
+    finally:
+        sys.path.pop(0)
+    torch.manual_seed(0)
+    if spelling == "mha":
+        eager = SASRecMHA(num_items=30, max_len=8, embedding_dim=16, num_blocks=1, num_heads=2, dropout=0.2)
+        call = lambda m, ids, ts: m(ids)  # noqa: E731
+    else:
+        eager = SDPADropout()
+        call = lambda m, ids, ts: m(ids)  # noqa: E731
+    model = copy.deepcopy(eager)
+    fast = grcompile.optimize(model, lowering="eager")
+    for i, (B, N) in enumerate([(3, 8), (2, 6), (4, 7)]):
+        ids, ts = ids_ts(B, N, seed=i)
+        out = call(fast, ids, ts)
+        (out * (ids != 0)[..., None]).square().sum().backward()
+    report = grcompile.report(fast)
+    assert report.compiles == 2 and not report.unoptimized, str(report)
+    fused = [r for r in report.rewrites if (r["pass"], r["op"]) == ("fuse_attention", "score_mod_attention")]
+    assert [r["graph"] for r in fused] == [0, 1] and all(r["dropout_p"] > 0 for r in fused), str(report)
+    assert not [f for f in report.fallbacks if f["pass"] == "fuse_attention"], str(report)
+    # without dropout the symbolic graph computes eager's values
+    eager.eval(), model.eval()
+    ids, ts = ids_ts(3, 5, seed=9)
+    with torch.no_grad():
+        valid = (ids != 0)[..., None]
+        torch.testing.assert_close(call(fast, ids, ts) * valid, call(eager, ids, ts) * valid, rtol=1e-4, atol=1e-5)
+
+
+class SDPADropout(torch.nn.Module):
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.emb = torch.nn.Embedding(31, d, padding_idx=0)
+        self.wq, self.wk, self.wv = (torch.nn.Linear(d, d) for _ in range(3))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        B, N = ids.shape
+        D = self.emb.embedding_dim
+        x = self.emb(ids)
+        q, k, v = (w(x).view(B, N, self.heads, D // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        m = torch.where(torch.ones(N, N, dtype=torch.bool).tril() & (ids != 0)[:, None, None, :], 0.0, -1e4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m,
+                                                             dropout_p=0.25 if self.training else 0.0)
+        return a.transpose(1, 2).reshape(B, N, D)

@@ -268,3 +268,55 @@ def test_recompile_limit_strict_raises():
         fast(torch.ones(2, 8), 1)
         with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
             fast(torch.ones(2, 8), 2)
+
+
+# --- graph breaks Dynamo does not count ------------------------------------------------------
+
+class BranchOnRows(torch.nn.Module):
+    """Data-dependent branching, then an explicit break: Dynamo's counters["graph_break"] holds
+    only the second one (torch 2.13)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = ids * 2
+        if (ids != 0).nonzero().shape[0] > 3:  # the first break
+            x = x * 2
+        y = x + 1
+        torch._dynamo.graph_break()
+        return (y * 3).reshape(-1)
+
+
+def test_every_graph_break_is_counted_with_the_users_line():
+    fast = grcompile.optimize(BranchOnRows(), lowering="eager")
+    ids = torch.tensor([[1, 2, 0], [3, 4, 5]])
+    torch.testing.assert_close(fast(ids), BranchOnRows()(ids))
+    report = grcompile.report(fast)
+    assert report.graph_breaks == 2, str(report)
+    sites = sorted(r.split(":")[1].split(" ")[0] for r in report.graph_break_reasons)
+    line = BranchOnRows.forward.__code__.co_firstlineno
+    assert sites == [str(line + 2), str(line + 5)], report.graph_break_reasons
+    assert all(r.startswith("test_failure_policy.py:") and " in forward: " in r for r in report.graph_break_reasons)
+    assert "2 graph break(s)" in str(report) and "data-dependent" in str(report)
+
+
+class AttentionThenBreak(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(31, 16, padding_idx=0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        B, N = ids.shape
+        x = self.emb(ids).view(B, N, 2, 8).transpose(1, 2)
+        mask = torch.ones(N, N, dtype=torch.bool).tril() & (ids != 0)[:, None, None, :]
+        a = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+        torch._dynamo.graph_break()
+        return a.transpose(1, 2).reshape(B, N, 16)
+
+
+def test_attention_kept_dense_before_a_graph_break_names_the_break():
+    fast = grcompile.optimize(AttentionThenBreak(), lowering="eager")
+    fast(torch.tensor([[1, 2, 0, 0], [3, 4, 5, 6]]))
+    report = grcompile.report(fast)
+    [why] = [f["reason"] for f in report.fallbacks if f["pass"] == "fuse_attention"]
+    line = AttentionThenBreak.forward.__code__.co_firstlineno + 5
+    assert f"after a graph break (the break at test_failure_policy.py:{line} in forward: " in why, why
+    assert report.graph_breaks == 1, str(report)

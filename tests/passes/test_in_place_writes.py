@@ -124,3 +124,54 @@ def test_only_writes_count_as_writes():
              "out": g.call_function(torch.add, (a, b), {"out": b})}
     from grcompile.passes.effects import writes
     assert {k for k, n in nodes.items() if writes(n)} == {"iand", "relu_", "add_", "relu_inplace", "out"}
+
+
+class InPlaceScores(nn.Module):
+    """nanoGPT / minGPT style: the scores filled in place with -inf (Dynamo keeps the writes, and
+    the softmax reads the scores' original node)."""
+
+    def __init__(self, fills: str):
+        super().__init__()
+        self.fills = fills
+        self.emb = nn.Embedding(40, 16, padding_idx=0)
+        self.wq, self.wk, self.wv = (nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, ids):
+        T = ids.shape[1]
+        keep = ids != 0
+        x = self.emb(ids)
+        att = self.wq(x) @ self.wk(x).transpose(-2, -1) * 0.25
+        causal = torch.tril(torch.ones(T, T)) == 0
+        if self.fills == "double":
+            att.masked_fill_(causal, float("-inf"))
+            att.masked_fill_(~keep[:, None, :], float("-inf"))
+        elif self.fills == "single":
+            att.masked_fill_(causal | ~keep[:, None, :], float("-inf"))
+        else:  # "causal_only": the padded keys are not masked: not fused, and the fill stays in place
+            att.masked_fill_(causal, float("-inf"))
+        return F.softmax(att, dim=-1) @ self.wv(x)
+
+
+@pytest.mark.parametrize("fills", ["double", "single", "causal_only"])
+def test_scores_filled_in_place_fuse_and_equal_eager(fills, tmp_path):
+    torch.manual_seed(0)
+    eager = InPlaceScores(fills)
+    model = copy.deepcopy(eager)
+    fast = grcompile.optimize(model, lowering="eager", dump_dir=tmp_path)
+    ids = _batch(B=5, N=8)
+    ids[:, 0] = torch.arange(1, 6)  # no empty row: every query keeps a key (no all -inf row)
+    valid = (ids != 0)[..., None]
+    out, ref = fast(ids), eager(ids)
+    (out * valid).square().sum().backward()
+    (ref * valid).square().sum().backward()
+    torch.testing.assert_close(out * valid, ref * valid, rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    report = grcompile.report(fast)
+    after = (tmp_path / "graph_0" / "03-fuse_attention.py").read_text()
+    if fills == "causal_only":
+        assert report.counters.get("fuse_attention.score_mod_attention", 0) == 0, str(report)
+        assert ".masked_fill_(" in after and ".masked_fill(" not in after  # put back as written
+    else:
+        assert report.counters["fuse_attention.score_mod_attention"] == 1, str(report)
+        assert not [f for f in report.fallbacks if f["pass"] == "fuse_attention"], str(report)
