@@ -29,7 +29,9 @@ which decides vector widths and whether loads are pipelined, so the report compi
 a launch runs only with these; an integer argument without a value is compiled unspecialised and
 noted), ``divisible_by_16`` (pointer/int arguments Triton may assume 16-aligned, default: every
 pointer, as a launch on PyTorch-allocated tensors specialises them),
-``options`` (further ``triton.compile`` options such as ``maxnreg``) and ``arch`` (``"sm_80"`` /
+``options`` (further ``triton.compile`` options such as ``maxnreg``), ``ieee`` (True: the
+``tl.dot`` multiplies float32 in IEEE precision, on FMA instructions by design — the tensor-core
+check is skipped and the record says so) and ``arch`` (``"sm_80"`` /
 ``"sm_90"``: the config is compiled for that arch only — tiles chosen per architecture — and
 skipped when ``--arch`` leaves that arch out; without it, for every ``--arch``). With
 ``--max-per-kernel N`` the first N configs of each kernel are taken per ``arch`` key.
@@ -176,6 +178,7 @@ def compile_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     record = _empty_record(kernel=cfg.get("kernel"), provider=cfg.get("provider"), arch=arch,
                            config=cfg.get("config"), num_warps=cfg.get("num_warps"),
                            num_stages=cfg.get("num_stages"), uses_dot=cfg.get("uses_dot"))
+    record["ieee"] = bool(cfg.get("ieee", False))
     missing = [k for k in REQUIRED_KEYS if k not in cfg]
     if missing:
         record["error"] = f"provider config lacks {missing} (has {sorted(k for k in cfg if k != 'provider')})"
@@ -387,7 +390,9 @@ def _judge(record: dict[str, Any]) -> dict[str, Any]:
         instruction = _arch_tensor_core_instruction(record["arch"])
         if (record["uses_dot"] or record["ttir_has_dot"]) and not record["tensor_cores"]:
             found = ", ".join(record["mma"]) or "no MMA instruction"
-            if instruction is None:
+            if record.get("ieee"):
+                record["notes"].append(f"IEEE float32 products: no tensor cores by design (found: {found})")
+            elif instruction is None:
                 record["notes"].append(f"tensor cores not checked: no rule for {record['arch']}'s MMA "
                                        f"instruction (found: {found})")
             else:

@@ -65,7 +65,8 @@ def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
             guards = code.guard_bits(max_len, heads) if code else 0
             for arch in archs:
                 plain = not score_mod and not dropout
-                blocks, warps, stages = launch_config(kernel, dqk, dv, cuda, arch=arch, plain=plain)
+                blocks, warps, stages = launch_config(kernel, dqk, dv, cuda, arch=arch, plain=plain,
+                                                      dtype=kernel_dtype)
                 entry = dict(
                     kernel=f"jagged_attention_{kernel}", module=module.__file__, fn=kernel, arch=arch,
                     signature=_kernel_signature(fn, kernel_dtype, q_sides, k_sides, all_tables),
@@ -73,8 +74,9 @@ def spec_for_seen(seen: dict, archs=ARCHS) -> list[dict[str, Any]]:
                                     IEEE=int(kernel_dtype == torch.float32), OOB_ROWS=arch == "sm_80",
                                     SPLIT=split_interior(bool(score_mod)),
                                     GUARDS=guards),
-                    num_warps=warps, num_stages=stages, uses_dot=kernel_dtype != torch.float32,
-                    config=dict(config, tiles=tile_source(kernel, arch, _bucket(max(dqk, dv)), plain)))
+                    num_warps=warps, num_stages=stages, uses_dot=True, ieee=kernel_dtype == torch.float32,
+                    config=dict(config, tiles=tile_source(kernel, arch, _bucket(max(dqk, dv)), plain,
+                                                          kernel_dtype)))
                 identity = repr([entry[k] for k in ("module", "fn", "arch", "signature", "constexprs", "num_warps",
                                                     "num_stages")])
                 if identity in compiled:  # another max_len or head count, the same kernel: count its calls

@@ -594,7 +594,7 @@ def _clamp(gen: _Gen, node: fx.Node, roles):
         if isinstance(bound, float) and math.isnan(bound):
             expr = f"{expr} + {b}"
         else:
-            nan = f" | ({b} != {b})" if isinstance(bound, fx.Node) else ""
+            nan = f" | ({b} != {b})" if isinstance(bound, fx.Node) and not _proven_finite(gen, bound) else ""
             expr = f"tl.where(({expr} {cmp} {b}){nan}, {b}, {expr})"
     return gen.emit(expr, node, roles)
 
@@ -605,9 +605,10 @@ def _minmax(kind: str) -> Callable:
             raise Unsupported(f"{_where(node)}: only the two-tensor form of {kind} is supported")
         a, b = (gen.arg(x) for x in node.args)
         cmp = "<" if kind == "min" else ">"
-        # torch propagates a NaN of either operand (b's is taken when a's comparison fails)
-        return gen.emit(f"tl.where(({a.expr} {cmp} {b.expr}) | ({a.expr} != {a.expr}), {a.expr}, {b.expr})",
-                        node, roles)
+        # torch propagates a NaN of either operand (b's is taken when a's comparison fails), which
+        # an operand the value ranges prove finite cannot be
+        nan_a = "" if _proven_finite(gen, node.args[0]) else f" | ({a.expr} != {a.expr})"
+        return gen.emit(f"tl.where(({a.expr} {cmp} {b.expr}){nan_a}, {a.expr}, {b.expr})", node, roles)
     return handler
 
 
@@ -731,9 +732,16 @@ def _log1p(gen: _Gen, node: fx.Node, roles):
     u = gen.fresh("u")
     gen.lines.append(f"{u} = 1.0 + {xv}")
     # log(u) * x / (u - 1): accurate for small x (Goldberg), exact when u == 1; an infinite (or
-    # NaN) u is its own log1p (inf / inf would make NaN of log1p(inf))
-    return gen.emit(f"tl.where({u} == 1.0, {xv}, tl.where({u} - {u} != 0.0, {u}, tl.log({u}) * ({xv} / ({u} - 1.0))))",
-                    node, roles)
+    # NaN) u is its own log1p (inf / inf would make NaN of log1p(inf)) — unless x is proven finite
+    accurate = f"tl.log({u}) * ({xv} / ({u} - 1.0))"
+    if not _proven_finite(gen, node.args[0]):
+        accurate = f"tl.where({u} - {u} != 0.0, {u}, {accurate})"
+    return gen.emit(f"tl.where({u} == 1.0, {xv}, {accurate})", node, roles)
+
+
+def _proven_finite(gen: _Gen, a: Any) -> bool:
+    """Whether the value ranges prove ``a`` is never NaN or infinite (a float interval says so)."""
+    return not isinstance(a, fx.Node) or gen.ranges.get(a) is not None
 
 
 def _silu(gen: _Gen, node: fx.Node, roles):

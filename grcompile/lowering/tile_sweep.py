@@ -19,6 +19,9 @@ first size, the next size down is tried: a pipelined tile there wins over them (
 per program, its loads overlapped), else the larger one-stage tile stands. A tile stops at its first
 failing score_mod (the heaviest are compiled first).
 
+``--dtype fp32`` sweeps float32 inputs (IEEE products on FMA: no tensor-core requirement) for
+``attention.triton.FP32_TILES``; ``--sizes``, ``--stages`` and ``--max-area`` narrow the tiles tried.
+
 When no tile passes, every tile whose plain kernel (SASRec, no score_mod) compiles without
 spills is compiled for every score_mod (up to its first spill once some tile with the arch's
 MMA is spill-free for all), and the least-spilling one is chosen: plain kernel spill-free first,
@@ -40,12 +43,15 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 SIZES = (16, 32, 64, 128)
 WARPS = (4, 8)
 STAGES = (1, 2, 3)
 # heaviest first: a tile that fails stops early
 ORDER = ("hstu", "time_bucket_per_head", "fuxi_positional", "sasrec")
 PLAIN = "sasrec"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 # At head width 256 tiles above 64 x 64 are not tried: every one tried spilled at least 1.4 KB
@@ -53,19 +59,22 @@ PLAIN = "sasrec"
 MAX_AREA = {256: 64 * 64}
 
 
-def tiles(bucket: int = 64) -> list[tuple[int, int, int, int]]:
-    return [t for t in itertools.product(SIZES, SIZES, WARPS, STAGES) if t[0] * t[1] <= MAX_AREA.get(bucket, 1 << 30)]
+def tiles(bucket: int = 64, sizes: tuple = SIZES, stages: tuple = STAGES,
+          max_area: int = 1 << 30) -> list[tuple[int, int, int, int]]:
+    return [t for t in itertools.product(sizes, sizes, WARPS, stages)
+            if t[0] * t[1] <= min(MAX_AREA.get(bucket, 1 << 30), max_area)]
 
 
 def _summary(record: dict[str, Any]) -> dict[str, Any]:
     """``hard``: the AOT report's failures other than spills and tensor cores (not compiled, shared
     memory); ``mma_level``: 0 only the arch's MMA, 1 mixed (sm_90: ``mma.sync`` beside ``wgmma``),
-    2 not the arch's MMA at all (sm_90 on ``mma.sync`` only: the AOT report fails it)."""
+    2 not the arch's MMA at all (sm_90 on ``mma.sync`` only: the AOT report fails it); float32
+    (IEEE products, no tensor cores by design) is level 0."""
     arch_mma = {"sm_80": "mma.sync", "sm_90": "wgmma"}[record["arch"]]
     hard = [f for f in record["failures"] if not f.startswith("spills") and " in the PTX (" not in f]
     if not record["compiled"]:
         hard = hard or [f"not compiled: {record['error']}"]
-    level = 0 if record["mma"] == [arch_mma] else 1 if arch_mma in record["mma"] else 2
+    level = 0 if record["mma"] == [arch_mma] or record.get("ieee") else 1 if arch_mma in record["mma"] else 2
     return {"registers": record["registers"], "spill_bytes": record["spill_bytes"] or 0,
             "shared_bytes": record["shared_bytes"], "mma": record["mma"], "hard": hard, "mma_level": level,
             "passes": record["compiled"] and not record["failures"] and level == 0,
@@ -73,9 +82,11 @@ def _summary(record: dict[str, Any]) -> dict[str, Any]:
 
 
 class Sweep:
-    def __init__(self, kernel: str, arch: str, bucket: int):
+    def __init__(self, kernel: str, arch: str, bucket: int, dtype: str = "bf16", sizes: tuple = SIZES,
+                 stages: tuple = STAGES, max_area: int = 1 << 30):
         from .attention.triton import aot_kernels
         self.kernel, self.arch, self.bucket = kernel, arch, bucket
+        self.dtype, self.sizes, self.stages, self.max_area = DTYPES[dtype], sizes, stages, max_area
         self.models = [m for m in ORDER if kernel in aot_kernels(m)]
         self.results: dict[tuple, dict[str, dict]] = {}
 
@@ -84,8 +95,8 @@ class Sweep:
         from .attention.triton import aot_config
         done = self.results.setdefault(tile, {})
         if model not in done:
-            done[model] = _summary(compile_config(aot_config(model, self.kernel, self.arch, self.bucket, tile),
-                                                  self.arch))
+            done[model] = _summary(compile_config(aot_config(model, self.kernel, self.arch, self.bucket, tile,
+                                                             dtype=self.dtype), self.arch))
         return done[model]
 
     def evaluate(self, tile: tuple, models: list[str], stop: bool) -> bool:
@@ -99,7 +110,7 @@ class Sweep:
     def run(self) -> dict[str, Any]:
         start = time.perf_counter()
         by_area: dict[int, list] = {}
-        for tile in tiles(self.bucket):
+        for tile in tiles(self.bucket, self.sizes, self.stages, self.max_area):
             by_area.setdefault(tile[0] * tile[1], []).append(tile)
         def choose(passing: list) -> dict[str, Any]:
             chosen = min(passing, key=lambda t: (t[3] < 2, self.max_regs(t), -t[3], t[2]))
@@ -120,7 +131,7 @@ class Sweep:
         # nothing passes: the least-spilling tile whose plain kernel passes
         # once some tile with the arch's MMA is spill-free everywhere, a tile stops at its first spill
         clean = False
-        for tile in tiles(self.bucket):  # small tiles first: they find a spill-free one soonest
+        for tile in tiles(self.bucket, self.sizes, self.stages, self.max_area):  # small tiles first: they find a spill-free one soonest
             plain = self.compile(tile, PLAIN)
             if plain["spill_bytes"] == 0 and not plain["hard"]:
                 spill_free = True
@@ -149,6 +160,7 @@ class Sweep:
     def report(self, chosen: tuple, start: float, passing: list) -> dict[str, Any]:
         res = self.results[chosen]
         return {"kernel": self.kernel, "arch": self.arch, "bucket": self.bucket, "tile": list(chosen),
+                "dtype": str(self.dtype).removeprefix("torch."),
                 "spills": any(r["spill_bytes"] for r in res.values()) or set(res) != set(self.models),
                 "mma_level": max(r["mma_level"] for r in res.values()), "per_model": res,
                 "passing_same_size": [list(t) for t in passing],
@@ -175,13 +187,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--kernel", default="fwd,bwd_kv,bwd_q")
     parser.add_argument("--arch", default="sm_80,sm_90")
     parser.add_argument("--bucket", default="64,128,256")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
+                        help="q / k / v dtype (fp32: IEEE products, FP32_TILES)")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="BLOCK_M / BLOCK_N values to try")
+    parser.add_argument("--stages", default=",".join(map(str, STAGES)), help="num_stages values to try")
+    parser.add_argument("--max-area", type=int, default=1 << 30, help="largest BLOCK_M * BLOCK_N to try")
     parser.add_argument("--json", metavar="PATH", help="every compiled (tile, score_mod) and the choices")
     args = parser.parse_args(argv)
+    sizes, stages = tuple(int(x) for x in args.sizes.split(",")), tuple(int(x) for x in args.stages.split(","))
     results = []
     for kernel in args.kernel.split(","):
         for arch in args.arch.split(","):
             for bucket in (int(b) for b in args.bucket.split(",")):
-                results.append(Sweep(kernel, arch, bucket).run())
+                results.append(Sweep(kernel, arch, bucket, args.dtype, sizes, stages, args.max_area).run())
                 print(format_result(results[-1]), flush=True)
                 if args.json:
                     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -189,7 +207,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     table: dict[str, dict[str, dict[int, tuple]]] = {}
     for r in results:
         table.setdefault(r["kernel"], {}).setdefault(r["arch"], {})[r["bucket"]] = tuple(r["tile"])
-    print("GPU_TILES =", table)
+    print("FP32_TILES =" if args.dtype == "fp32" else "GPU_TILES =", table)
     return 0
 
 

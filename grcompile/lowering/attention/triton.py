@@ -525,6 +525,24 @@ GPU_TILES = {
     "bwd_q": {"sm_80": {64: (32, 128, 8, 2), 128: (32, 128, 8, 2), 256: (64, 32, 8, 2)},
               "sm_90": {64: (128, 32, 8, 2), 128: (128, 32, 8, 2), 256: (128, 16, 8, 2)}},
 }
+# float32 inputs: products in IEEE fp32 (PyTorch's default for float32 matmuls), computed by FMA
+# instructions, not tensor cores: each thread holds its share of the tiles as 32-bit values, and
+# the bf16 tiles spilled (HSTU at width 64 on sm_90: 24 KB in bwd_kv, 1.4 KB in fwd). Chosen
+# 2026-11-29 by AOT compiles of HSTU, the per-head time table and SASRec at width = bucket
+# (`python -m grcompile.lowering.tile_sweep --dtype fp32 --sizes 16,32,64 --stages 1,2 --max-area
+# 2048` for fwd and bwd_kv sm_80 at 64 / 128, candidate tiles compiled one by one for the rest,
+# docs/bench/fp32-tiles-2026-11-29.json): spill-free for all three at 64 and, but bwd_kv, at 128 and
+# 256; the most work per program, pipelined where a pipelined tile was spill-free. bwd_kv holds dk
+# and dv in fp32 registers: at 128 the 16 x 16 tile spills 8 B (SASRec, sm_80) / 32 B (HSTU, sm_90),
+# at 256 ~1 KB — the least found; two stages spill KBs there (ptxas drops to 32 registers).
+FP32_TILES = {
+    "fwd": {"sm_80": {64: (16, 64, 8, 2), 128: (16, 64, 8, 2), 256: (16, 32, 8, 1)},
+            "sm_90": {64: (16, 64, 8, 2), 128: (16, 64, 8, 2), 256: (16, 32, 8, 1)}},
+    "bwd_kv": {"sm_80": {64: (32, 32, 8, 1), 128: (16, 16, 8, 1), 256: (16, 16, 8, 1)},
+               "sm_90": {64: (16, 32, 8, 1), 128: (16, 16, 8, 1), 256: (16, 16, 8, 1)}},
+    "bwd_q": {"sm_80": {64: (16, 64, 8, 2), 128: (16, 32, 8, 1), 256: (16, 16, 8, 1)},
+              "sm_90": {64: (32, 32, 8, 2), 128: (16, 32, 8, 1), 256: (16, 16, 8, 1)}},
+}
 HEAD_BUCKETS = (64, 128, 256)
 # Tiles timed natively on an H100 (Triton 3.6, bf16, one 8192-token row, 4 heads x 128; 2026-11-24,
 # docs/lowering.md "Measured on an H100"), which beat the rule's tiles there and so override them.
@@ -549,25 +567,33 @@ def _bucket(width: int) -> int:
     return bucket
 
 
-def tile_source(kernel: str, arch: str, bucket: int, plain: bool) -> str:
-    """``"measured"`` where :data:`MEASURED_TILES` sets this tile, else ``"rule"`` (GPU_TILES)."""
+def tile_source(kernel: str, arch: str, bucket: int, plain: bool, dtype: torch.dtype = torch.bfloat16) -> str:
+    """``"measured"`` where :data:`MEASURED_TILES` sets this tile, else ``"rule"`` (GPU_TILES, or
+    FP32_TILES for float32 inputs)."""
+    if dtype == torch.float32:
+        return "rule"
     return "measured" if kernel in MEASURED_TILES.get((arch, bucket, "plain" if plain else "score_mod"), {}) \
         else "rule"
 
 
 def launch_config(kernel: str, dqk: int, dv: int, device: Optional[torch.device] = None,
-                  arch: Optional[str] = None, plain: bool = False) -> tuple[dict, int, int]:
+                  arch: Optional[str] = None, plain: bool = False,
+                  dtype: torch.dtype = torch.bfloat16) -> tuple[dict, int, int]:
     """``(constexpr blocks, num_warps, num_stages)`` of ``kernel`` ("fwd", "bwd_kv", "bwd_q") on
     ``device`` (its arch read from the device), or for ``arch`` ("sm_80" / "sm_90") when given
-    (ahead-of-time compiles: no device); ``plain``: the variant has no score_mod and no dropout."""
+    (ahead-of-time compiles: no device); ``plain``: the variant has no score_mod and no dropout;
+    ``dtype``: of q, k, v (float32 has tiles of its own, :data:`FP32_TILES`)."""
     pads = dict(BLOCK_DQK=_pad(dqk), BLOCK_DV=_pad(dv))
     if arch is None:
         if device is None or device.type == "cpu":  # the interpreter: small tiles keep it fast
             return dict(BLOCK_M=16, BLOCK_N=16, **pads), 4, 1
         arch = gpu_arch(device)
     bucket = _bucket(max(dqk, dv))
-    measured = MEASURED_TILES.get((arch, bucket, "plain" if plain else "score_mod"), {})
-    tiles = measured.get(kernel) or GPU_TILES[kernel][arch][bucket]
+    if dtype == torch.float32:
+        tiles = FP32_TILES[kernel][arch][bucket]
+    else:
+        measured = MEASURED_TILES.get((arch, bucket, "plain" if plain else "score_mod"), {})
+        tiles = measured.get(kernel) or GPU_TILES[kernel][arch][bucket]
     env = os.environ.get(f"GRCOMPILE_TILES_{kernel.upper()}")  # "BM,BN,warps,stages": for tuning runs
     bm, bn, warps, stages = tuple(int(x) for x in env.split(",")) if env else tiles
     return dict(BLOCK_M=bm, BLOCK_N=bn, **pads), warps, stages
@@ -726,7 +752,7 @@ def _launch(module, kernel: str, meta: dict, max_len: int, B: int, *args, plain:
     device = args[0].device
     if _tunes(kernel, device):
         pads = dict(BLOCK_DQK=_pad(meta["DQK"]), BLOCK_DV=_pad(meta["DV"]))
-        candidates = [launch_config(kernel, meta["DQK"], meta["DV"], device, plain=plain)] + \
+        candidates = [launch_config(kernel, meta["DQK"], meta["DV"], device, plain=plain, dtype=args[0].dtype)] + \
             [(dict(BLOCK_M=bm, BLOCK_N=bn, **pads), warps, stages) for bm, bn, warps, stages in TUNE_TILES[kernel]]
         key = _tune_key(module, kernel, meta, args[0].dtype, max_len)
         tiles = tuner(device)
@@ -743,7 +769,8 @@ def _launch(module, kernel: str, meta: dict, max_len: int, B: int, *args, plain:
                 tiles.forget(key)
     key = (module.__name__, kernel, args[0].dtype, meta["DQK"], meta["DV"], plain,
            os.environ.get(f"GRCOMPILE_TILES_{kernel.upper()}"))  # a tuning run's tile is its own entry
-    first = _FITTED.get(key) or launch_config(kernel, meta["DQK"], meta["DV"], device, plain=plain)
+    first = _FITTED.get(key) or launch_config(kernel, meta["DQK"], meta["DV"], device, plain=plain,
+                                              dtype=args[0].dtype)
     last = None
     for tile in (first, *_fallback_tiles(*first)):
         try:
@@ -887,7 +914,7 @@ def attention_backward_triton(grad_out, q, k, v, offsets, positions, q_side, k_s
                            scale=scale, out_scale=out_scale, dropout_p=dropout_p, max_len=max_len, code=code,
                            split=split_interior(code is not None))
     plain = _is_plain(meta, code is not None)
-    blocks_kv = launch_config("bwd_kv", q.shape[2], v.shape[2], q.device, plain=plain)[0]
+    blocks_kv = launch_config("bwd_kv", q.shape[2], v.shape[2], q.device, plain=plain, dtype=q.dtype)[0]
     replicas = _table_grad_replicas([tables[i].numel() for i in ft],
                                     math.ceil(max_len / blocks_kv["BLOCK_N"]) * (offsets.shape[0] - 1) * H)
     dtabs = {i: torch.zeros((replicas, *tables[i].shape), dtype=torch.float32, device=q.device) for i in ft}
@@ -1013,50 +1040,52 @@ def aot_kernels(model: str) -> tuple[str, ...]:
 
 
 def aot_config(model: str, kernel: str, arch: str, d: int, tile: Optional[tuple] = None,
-               heads: int = AOT_HEADS) -> dict:
+               heads: int = AOT_HEADS, dtype: torch.dtype = torch.bfloat16) -> dict:
     """The AOT compile config of ``kernel`` for ``model``'s score_mod (:func:`aot_cases`) at head
-    width ``d`` with ``heads`` heads, bf16, for ``arch``: its ``GPU_TILES`` tile, or ``tile`` =
+    width ``d`` with ``heads`` heads, in ``dtype``, for ``arch``: its launch tile, or ``tile`` =
     (BLOCK_M, BLOCK_N, num_warps, num_stages) when given (tile sweeps)."""
-    return case_aot_config(aot_cases()[model], kernel, arch, d, tile, model=model, heads=heads)
+    return case_aot_config(aot_cases()[model], kernel, arch, d, tile, model=model, heads=heads, dtype=dtype)
 
 
 def case_aot_config(case: tuple, kernel: str, arch: str, d: int, tile: Optional[tuple] = None,
-                    model: str = "custom", heads: int = AOT_HEADS) -> dict:
+                    model: str = "custom", heads: int = AOT_HEADS, dtype: torch.dtype = torch.bfloat16) -> dict:
     """:func:`aot_config` of one ``(score_mod key, activation, use_qk, dropout, q_sides, k_sides,
-    tables)`` case (the shape of :func:`aot_cases`' values)."""
+    tables)`` case (the shape of :func:`aot_cases`' values). float32 compiles as a launch of
+    float32 inputs does: IEEE products, no tensor cores (``ieee``)."""
     key, activation, use_qk, dropout, q_sides, k_sides, tables = case
     variant = _variant(q_sides, k_sides, tables, key, activation, True, use_qk, dropout)  # sides: as their values
     module, code = kernels_for(variant, q_sides, k_sides, tables)
     all_tables = list(tables) + list(code.constants if code else [])
     plain = not key and not dropout
     if tile is None:
-        blocks, warps, stages = launch_config(kernel, d, d, arch=arch, plain=plain)
+        blocks, warps, stages = launch_config(kernel, d, d, arch=arch, plain=plain, dtype=dtype)
     else:
         blocks, (warps, stages) = dict(BLOCK_M=tile[0], BLOCK_N=tile[1], BLOCK_DQK=_pad(d), BLOCK_DV=_pad(d)), tile[2:]
-    constexprs = dict(blocks, ACT=_ACT[activation], CAUSAL=True, USE_QK=use_qk, DROPOUT=dropout, IEEE=0,
+    ieee = dtype == torch.float32
+    constexprs = dict(blocks, ACT=_ACT[activation], CAUSAL=True, USE_QK=use_qk, DROPOUT=dropout, IEEE=int(ieee),
                       OOB_ROWS=arch == "sm_80", SPLIT=split_interior(bool(key)),
                       GUARDS=code.guard_bits(AOT_TOKENS, heads) if code else 0)
     fn = getattr(module, kernel)
-    signature = _kernel_signature(fn, torch.bfloat16, q_sides, k_sides, all_tables)
+    signature = _kernel_signature(fn, dtype, q_sides, k_sides, all_tables)
     float_tables = [all_tables[i].numel() for i in (code.float_tables if code else [])]
     # the launcher sizes the table-gradient replicas (NREP) by bwd_kv's key block, for both backward kernels
     kv_block_n = blocks["BLOCK_N"] if kernel == "bwd_kv" else \
-        launch_config("bwd_kv", d, d, arch=arch, plain=plain)[0]["BLOCK_N"]
+        launch_config("bwd_kv", d, d, arch=arch, plain=plain, dtype=dtype)[0]["BLOCK_N"]
     return dict(kernel=f"jagged_attention_{kernel}", fn=fn, arch=arch, signature=signature,
                 int_args=_aot_int_args(signature, d, heads, dropout, all_tables, float_tables, kv_block_n),
-                constexprs=constexprs, num_warps=warps, num_stages=stages, uses_dot=True,
+                constexprs=constexprs, num_warps=warps, num_stages=stages, uses_dot=True, ieee=ieee,
                 config=dict(model=model, score_mod=key.split("-")[0] or "none", activation=activation,
-                            dtype="bf16", head_dim=d, heads=heads, dropout=dropout, arch=arch, **blocks,
-                            tiles="swept" if tile else tile_source(kernel, arch, _bucket(d), plain)))
+                            dtype=_TL[dtype], head_dim=d, heads=heads, dropout=dropout, arch=arch, **blocks,
+                            tiles="swept" if tile else tile_source(kernel, arch, _bucket(d), plain, dtype)))
 
 
-# (model, head width, heads) of the AOT report: the bf16 training dtype (fp32 runs the same kernels
-# without tensor cores), head widths 64 and 128 (HSTU on millisecond timestamps at 128); and the
-# original SASRec's one head of width 50, launched at width 64 (launch_width) and specialised
-# differently (H = 1 a constant)
+# (model, head width, heads[, dtype]) of the AOT report: the bf16 training dtype, head widths 64 and
+# 128 (HSTU on millisecond timestamps at 128); the original SASRec's one head of width 50, launched
+# at width 64 (launch_width) and specialised differently (H = 1 a constant); and float32 (IEEE
+# products on FMA, FP32_TILES) for HSTU and that SASRec, as the papers' configurations train
 AOT_REPORT = (("sasrec", 64, AOT_HEADS), ("hstu", 128, AOT_HEADS), ("hstu", 64, AOT_HEADS),
               ("hstu_ms", 128, AOT_HEADS), ("fuxi_positional", 64, AOT_HEADS), ("time_bucket_per_head", 64, AOT_HEADS),
-              ("sasrec", 50, 1))
+              ("sasrec", 50, 1), ("hstu", 64, AOT_HEADS, torch.float32), ("sasrec", 50, 1, torch.float32))
 
 
 def aot_tune_configs() -> list[dict]:
@@ -1078,6 +1107,6 @@ def aot_tune_configs() -> list[dict]:
 
 def aot_configs() -> list[dict]:
     """The AOT report's configs: every kernel of :data:`AOT_REPORT` once per arch, with that arch's
-    ``GPU_TILES`` tile (the ``arch`` key: compiled for that arch only)."""
-    return [aot_config(model, kernel, arch, d, heads=heads)
-            for model, d, heads in AOT_REPORT for kernel in aot_kernels(model) for arch in ("sm_80", "sm_90")]
+    ``GPU_TILES`` (``FP32_TILES``) tile (the ``arch`` key: compiled for that arch only)."""
+    return [aot_config(model, kernel, arch, d, heads=heads, dtype=dtype[0] if dtype else torch.bfloat16)
+            for model, d, heads, *dtype in AOT_REPORT for kernel in aot_kernels(model) for arch in ("sm_80", "sm_90")]

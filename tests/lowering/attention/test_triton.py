@@ -423,6 +423,9 @@ def test_launch_config_picks_the_device_archs_tiles(monkeypatch):
                     measured or at.GPU_TILES[kernel][arch][bucket])
                 assert (blocks["BLOCK_DQK"], blocks["BLOCK_DV"]) == (at._pad(dqk), at._pad(dv))
                 assert at.launch_config(kernel, dqk, dv, arch=arch) == (blocks, warps, stages)
+                for is_plain in (False, True):  # float32 (FMA products): its own tiles, none measured
+                    fp32 = at.launch_config(kernel, dqk, dv, cuda, plain=is_plain, dtype=torch.float32)
+                    assert (fp32[0]["BLOCK_M"], fp32[0]["BLOCK_N"], *fp32[1:]) == at.FP32_TILES[kernel][arch][bucket]
     for kernel, per_bucket in ((k, t["sm_90"]) for k, t in at.GPU_TILES.items()):
         for bm, bn, warps, _ in per_bucket.values():  # whole warpgroups (which dots get wgmma: the AOT report)
             assert warps % 4 == 0 and min(bm, bn) >= 16, (kernel, per_bucket)
@@ -439,12 +442,17 @@ def test_launch_config_picks_the_device_archs_tiles(monkeypatch):
     for c in configs:
         kernel = c["kernel"].removeprefix("jagged_attention_")
         d, plain = at._bucket(c["config"]["head_dim"]), c["config"]["score_mod"] == "none" and not c["config"]["dropout"]
-        tile = at.MEASURED_TILES.get((c["arch"], d, "plain" if plain else "score_mod"), {}).get(kernel) or \
-            at.GPU_TILES[kernel][c["arch"]][d]
-        assert c["config"]["tiles"] == ("measured" if tile != at.GPU_TILES[kernel][c["arch"]][d] else "rule")
+        if c["config"]["dtype"] == "fp32":
+            tile = at.FP32_TILES[kernel][c["arch"]][d]
+            assert c["ieee"] and c["constexprs"]["IEEE"] == 1 and c["config"]["tiles"] == "rule"
+        else:
+            tile = at.MEASURED_TILES.get((c["arch"], d, "plain" if plain else "score_mod"), {}).get(kernel) or \
+                at.GPU_TILES[kernel][c["arch"]][d]
+            assert c["config"]["tiles"] == ("measured" if tile != at.GPU_TILES[kernel][c["arch"]][d] else "rule")
         assert (c["constexprs"]["BLOCK_M"], c["constexprs"]["BLOCK_N"], c["num_warps"], c["num_stages"]) == tile
         assert c["config"]["arch"] == c["arch"]
-    per_arch = {a: sorted((c["kernel"], c["config"]["model"], c["config"]["head_dim"]) for c in configs if c["arch"] == a)
+    per_arch = {a: sorted((c["kernel"], c["config"]["model"], c["config"]["head_dim"], c["config"]["dtype"])
+                          for c in configs if c["arch"] == a)
                 for a in ("sm_80", "sm_90")}
     assert per_arch["sm_80"] == per_arch["sm_90"] and len(configs) == 2 * len(per_arch["sm_80"])  # once per arch
 
