@@ -261,7 +261,7 @@ def _chunk_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activatio
     options = dict(mod=mod, use_qk=use_qk, activation=activation, scale=scale, out_scale=out_scale, causal=causal,
                    dropout=dropout_p > 0)
     key = (score_mod, dtype, use_qk, activation, scale, out_scale, causal, dropout_p > 0)
-    return functools.partial(_compiled(_chunk_attention, key, options, head_widths, {}, uncompiled), dropout_p=p)
+    return functools.partial(_compiled(_chunk_attention, key, options, head_widths, uncompiled), dropout_p=p)
 
 
 def _chunk_backward_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, activation: str, scale: float,
@@ -269,20 +269,25 @@ def _chunk_backward_kernel(score_mod: str, *, dtype: torch.dtype, use_qk: bool, 
                            table_grads: bool, stats: tuple[bool, bool] = (False, False),
                            uncompiled: bool = False) -> Callable:
     """:func:`_chunk_backward` bound and compiled like :func:`_chunk_kernel`'s forward
-    (``table_grads``: it computes gradients of score_mod tables, see :func:`_inductor_options`;
+    (``table_grads``: it computes gradients of score_mod tables, a graph of its own;
     ``stats``: whether it is given the forward's ``lse``, ``delta``: a graph of their own)."""
     options = dict(mod=get_score_mod(score_mod) if score_mod else None, use_qk=use_qk, activation=activation,
                    scale=scale, out_scale=out_scale, causal=causal, dropout=dropout_p > 0)
     key = ("backward", score_mod, dtype, use_qk, activation, scale, out_scale, causal, dropout_p > 0, table_grads,
            stats)
-    inductor_options = _inductor_options(score_mod) if table_grads else {}
-    return functools.partial(_compiled(_chunk_backward, key, options, head_widths, inductor_options, uncompiled),
+    return functools.partial(_compiled(_chunk_backward, key, options, head_widths, uncompiled),
                              dropout_p=torch.tensor(dropout_p, dtype=torch.float64))
 
 
-def _compiled(fn: Callable, key: tuple, options: dict, head_widths: tuple[int, int], inductor_options: dict,
+def _compiled(fn: Callable, key: tuple, options: dict, head_widths: tuple[int, int],
               uncompiled: bool = False) -> Callable:
-    """``fn`` with ``options`` bound, compiled once per ``key`` (or eager: see :func:`_chunk_kernel`)."""
+    """``fn`` with ``options`` bound, compiled once per ``key`` (or eager: see :func:`_chunk_kernel`).
+
+    Vectorised, table gradients included. They were compiled scalar (``cpp.simdlen=1``) from
+    2026-11-24: inductor's vectorised scatter-add of a table gradient had failed to compile on a
+    one-entry table (a compile error: the eager chunk runs, see :class:`_CompiledChunk`) and
+    corrupted the heap on 3 heads of width 1 — widths of 1 run the eager chunk. Scalar, the HSTU
+    backward chunk was 5x slower and the ML-1M step 1.8x (2026-11-29)."""
     if uncompiled or not COMPILE_CHUNKS or min(head_widths) < 2:
         return functools.partial(fn, **options)
     compiled = _COMPILED_CHUNKS.get(key)
@@ -291,7 +296,7 @@ def _compiled(fn: Callable, key: tuple, options: dict, head_widths: tuple[int, i
         own = types.FunctionType(code.replace(co_name=f"{code.co_name}_{len(_COMPILED_CHUNKS)}"), fn.__globals__,
                                  code.co_name, fn.__defaults__)
         own.__kwdefaults__ = options
-        compiled = _COMPILED_CHUNKS[key] = _CompiledChunk(torch.compile(own, dynamic=True, options=inductor_options),
+        compiled = _COMPILED_CHUNKS[key] = _CompiledChunk(torch.compile(own, dynamic=True),
                                                           functools.partial(fn, **options), key)
     return compiled
 
@@ -319,16 +324,6 @@ class _CompiledChunk:
                       f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200]}); "
                       "it runs eagerly (same values, slower)", stacklevel=3)
         self.failed = True
-
-
-def _inductor_options(score_mod: str) -> dict:
-    """Inductor's vectorised C++ scatter-add, which a score_mod's table gradient becomes in the
-    compiled backward, fails to compile on some dynamic shapes (a one-entry table) and, on others
-    (2 rows of 7 tokens, 3 heads of width 1: the hypothesis case of
-    ``test_hstu_attention_matches_padded_model``, seed 2), corrupts the heap; scalar code is
-    exact. Backward kernels that compute table gradients are compiled without vectorisation (~15 %
-    slower steps); forwards gather from tables but scatter nothing, and are vectorised."""
-    return {"cpp.simdlen": 1} if score_mod else {}
 
 
 def _compile_errors() -> tuple[type, ...]:
