@@ -41,6 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .score_mod import ScoreMod
 from .score_mod_ranges import constant_wraps, propagate, unmodelled_kwargs
+from .source_site import node_site
 
 _HEADS, _LQ, _LK = 2, 3, 5  # distinct example sizes: a node's shape names the axes it varies along
 
@@ -219,9 +220,10 @@ def _roles(node: fx.Node, meta: Any) -> frozenset:
 
 
 def _where(node: fx.Node) -> str:
+    """The op and where the user wrote it (a captured graph keeps Dynamo's stack trace), else its node."""
     target = node.target
     name = target if isinstance(target, str) else getattr(target, "__name__", repr(target))
-    return f"`{name}` ({node.name})"
+    return f"`{name}` ({node_site(node) if node.meta.get('stack_trace') else node.name})"
 
 
 # --------------------------------------------------------------------------------------------

@@ -651,6 +651,11 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
         else:
             raise Unsupported(f"{spelled(n)} ({n.name}) inside the attention scores is not a pointwise op", n)
     result = frame_env[top] if top in frame_env else value_of(top, contraction)
+    for n in region:  # what the op computes points at the user's line (kernel fallback reasons name it)
+        emitted = frame_env.get(n)
+        if isinstance(emitted, fx.Node) and emitted.op != "placeholder" and n.meta.get("stack_trace") \
+                and not emitted.meta.get("stack_trace"):
+            emitted.meta["stack_trace"] = n.meta["stack_trace"]
     g.output(result)
     if cap.score is None and leaves.get(top) == "score":
         cap.score, cap.q, cap.kT = top, top.args[0], top.args[1]
