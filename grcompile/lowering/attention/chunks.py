@@ -283,31 +283,35 @@ def _compiled(fn: Callable, key: tuple, options: dict, head_widths: tuple[int, i
               uncompiled: bool = False) -> Callable:
     """``fn`` with ``options`` bound, compiled once per ``key`` (or eager: see :func:`_chunk_kernel`).
 
-    Vectorised, table gradients included. They were compiled scalar (``cpp.simdlen=1``) from
-    2026-11-24: inductor's vectorised scatter-add of a table gradient had failed to compile on a
-    one-entry table (a compile error: the eager chunk runs, see :class:`_CompiledChunk`) and
-    corrupted the heap on 3 heads of width 1 — widths of 1 run the eager chunk. Scalar, the HSTU
-    backward chunk was 5x slower and the ML-1M step 1.8x (2026-11-29)."""
+    Vectorised, table gradients included; where inductor cannot vectorise (its scatter-add of the
+    gradient of a one-entry table fails an assertion), scalar code (``cpp.simdlen=1``), and where
+    that fails too, the eager chunk (:class:`_CompiledChunk`). All backward chunks that compute
+    table gradients were scalar from 2026-11-24 to 2026-11-29 — vectorised, that scatter-add had
+    also corrupted the heap on 3 heads of width 1, and widths of 1 run the eager chunk since —
+    which made the HSTU backward chunk 5x slower and the ML-1M training step 1.8x."""
     if uncompiled or not COMPILE_CHUNKS or min(head_widths) < 2:
         return functools.partial(fn, **options)
     compiled = _COMPILED_CHUNKS.get(key)
     if compiled is None:
-        code = fn.__code__
-        own = types.FunctionType(code.replace(co_name=f"{code.co_name}_{len(_COMPILED_CHUNKS)}"), fn.__globals__,
-                                 code.co_name, fn.__defaults__)
-        own.__kwdefaults__ = options
-        compiled = _COMPILED_CHUNKS[key] = _CompiledChunk(torch.compile(own, dynamic=True),
-                                                          functools.partial(fn, **options), key)
+        def compile_copy(inductor_options: dict) -> Callable:
+            code = fn.__code__  # a code object of its own: Dynamo's cache and recompile limit are per code
+            own = types.FunctionType(code.replace(co_name=f"{code.co_name}_{len(_COMPILED_CHUNKS)}"
+                                                  f"{'_scalar' if inductor_options else ''}"),
+                                     fn.__globals__, code.co_name, fn.__defaults__)
+            own.__kwdefaults__ = options
+            return torch.compile(own, dynamic=True, options=inductor_options)
+        compiled = _COMPILED_CHUNKS[key] = _CompiledChunk(compile_copy, functools.partial(fn, **options), key)
     return compiled
 
 
 class _CompiledChunk:
     """A compiled chunk kernel, run without duck sizing. If inductor cannot compile it (an inductor
-    bug on some shape), this option set runs the eager chunk from then on, with a warning: same
-    values, slower."""
+    bug on some shape), this option set runs scalar compiled code from then on and, if that fails
+    too, the eager chunk, with a warning: same values, slower."""
 
-    def __init__(self, compiled: Callable, eager: Callable, key: tuple) -> None:
-        self.compiled, self.eager, self.key, self.failed = compiled, eager, key, False
+    def __init__(self, compile_copy: Callable[[dict], Callable], eager: Callable, key: tuple) -> None:
+        self.compile_copy, self.eager, self.key, self.failed = compile_copy, eager, key, False
+        self.compiled, self.scalar = compile_copy({}), False
 
     def __call__(self, *args, **kwargs):
         if self.failed:
@@ -316,6 +320,9 @@ class _CompiledChunk:
             with _NO_DUCK_SHAPE:
                 return self.compiled(*args, **kwargs)
         except _compile_errors() as error:
+            if not self.scalar:
+                self.compiled, self.scalar = self.compile_copy({"cpp.simdlen": 1}), True
+                return self(*args, **kwargs)
             self.give_up(error)
             return self.eager(*args, **kwargs)
 
