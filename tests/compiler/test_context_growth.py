@@ -27,7 +27,7 @@ def context_entries() -> int:
 def test_attention_chunk_calls_leave_the_context_unchanged():
     from grcompile.lowering.attention.chunks import _CompiledChunk
 
-    chunk = _CompiledChunk(lambda x: x + 1, lambda x: x + 1, key=("test",))
+    chunk = _CompiledChunk(lambda inductor_options: (lambda x: x + 1), lambda x: x + 1, key=("test",))
     chunk(torch.zeros(1))
     before = context_entries()
     for _ in range(50):
