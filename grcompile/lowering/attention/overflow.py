@@ -23,15 +23,14 @@ import torch
 
 from ..score_mod import get_score_mod, live_state
 from ..score_mod_codegen import Unsupported, graph_with_metas
-from ..score_mod_ranges import Interval, may_wrap, propagate
+from ..score_mod_ranges import Interval, _op_name, may_wrap, propagate
 from ..source_site import node_site
-from .side_ranges import integer_side_bounds, value_bounds
+from .side_ranges import INTEGER_DTYPES, integer_side_bounds, value_bounds
 from .validation import _OP
 
 _STATIC: dict[tuple, Any] = {}  # (score_mod, its live state, side dtypes, tables) -> (graph, metas) | reason it cannot be analysed
 _PROOFS: dict[tuple, Optional[str]] = {}  # ... + rounded input bounds -> why it may overflow, or None
 _WARNED: set[str] = set()
-_INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def _rounded_out(lo: int, hi: int) -> Interval:
@@ -42,10 +41,8 @@ def _rounded_out(lo: int, hi: int) -> Interval:
     return lo_r, hi_r
 
 
-def _static(score_mod: str, q_side: Sequence[torch.Tensor], k_side: Sequence[torch.Tensor],
+def _static(key: tuple, score_mod: str, q_side: Sequence[torch.Tensor], k_side: Sequence[torch.Tensor],
             tables: Sequence[torch.Tensor]) -> Any:
-    key = (score_mod, live_state(score_mod), tuple(t.dtype for t in q_side), tuple(t.dtype for t in k_side),
-           tuple((tuple(t.shape), t.dtype) for t in tables))
     if key not in _STATIC:
         try:
             gm, metas = graph_with_metas(get_score_mod(score_mod), q_side, k_side, tables)
@@ -63,7 +60,9 @@ def overflow_reason(score_mod: str, q_side: Sequence[torch.Tensor], k_side: Sequ
     op and the user's line), or None when it provably does not."""
     if not score_mod:
         return None
-    static = _static(score_mod, q_side, k_side, tables)
+    static_key = (score_mod, live_state(score_mod), tuple(t.dtype for t in q_side), tuple(t.dtype for t in k_side),
+                  tuple((tuple(t.shape), t.dtype) for t in tables))
+    static = _static(static_key, score_mod, q_side, k_side, tables)
     if static is None or isinstance(static, str):
         return static
     gm, metas = static
@@ -71,12 +70,11 @@ def overflow_reason(score_mod: str, q_side: Sequence[torch.Tensor], k_side: Sequ
     # an empty side has no value to overflow with: any interval holds
     bounds = tuple(_rounded_out(*b) if b is not None else (0, 0) if t.numel() == 0 else None
                    for t, b in zip(sides, integer_side_bounds(q_side, k_side)))
-    numbers = [i for i, t in enumerate(tables) if t.dim() == 0 and t.dtype in _INTEGERS]  # 0-d tables used as numbers
+    numbers = [i for i, t in enumerate(tables) if t.dim() == 0 and t.dtype in INTEGER_DTYPES]  # 0-d tables used as numbers
     table_bounds = dict(zip(numbers, (_rounded_out(*b) for b in value_bounds([tables[i] for i in numbers])))) \
         if numbers else {}
     given = (_rounded_out(0, max(max_len - 1, 0)), (0, max(heads - 1, 0)))
-    key = (score_mod, live_state(score_mod), tuple(t.dtype for t in q_side), tuple(t.dtype for t in k_side),
-           tuple((tuple(t.shape), t.dtype) for t in tables), bounds, tuple(sorted(table_bounds.items())), given)
+    key = (*static_key, bounds, tuple(sorted(table_bounds.items())), given)
     if key not in _PROOFS:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         head = get_score_mod(score_mod).head
@@ -89,14 +87,9 @@ def overflow_reason(score_mod: str, q_side: Sequence[torch.Tensor], k_side: Sequ
         inputs.update({table_nodes[i]: b for i, b in table_bounds.items()})
         wraps = may_wrap(gm, metas, propagate(gm, metas, inputs))
         _PROOFS[key] = None if not wraps else (
-            f"its integer `{_name(wraps[0])}` ({node_site(wraps[0])}) may overflow "
+            f"its integer `{_op_name(wraps[0])}` ({node_site(wraps[0])}) may overflow "
             f"{str(metas[wraps[0]].dtype).removeprefix('torch.')} on these inputs")
     return _PROOFS[key]
-
-
-def _name(node: torch.fx.Node) -> str:
-    target = node.target
-    return target if isinstance(target, str) else getattr(target, "__name__", repr(target))
 
 
 def warn_uncompiled(score_mod: str, reason: str) -> None:

@@ -34,7 +34,7 @@ INT32_CLASSES: tuple[Interval, ...] = ((0, (1 << 31) - 1), (-(1 << 30), (1 << 30
 # (the sides, their exact bounds) measured by the op for the call in progress (this thread / context)
 _IN_CALL: contextvars.ContextVar[Optional[tuple[tuple, tuple]]] = contextvars.ContextVar(
     "grcompile_side_ranges", default=None)
-_INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def _class_of(lo: int, hi: int) -> Optional[Interval]:
@@ -53,7 +53,7 @@ def _measure(sides: list[torch.Tensor]) -> tuple:
     bounds: list[Optional[Interval]] = [None] * len(sides)
     slots: dict[int, list[int]] = {}  # id of a side to measure -> its slots (one tensor may be several sides)
     for i, t in enumerate(sides):
-        if t.dtype in _INTEGERS and t.numel() > 0:
+        if t.dtype in INTEGER_DTYPES and t.numel() > 0:
             slots.setdefault(id(t), []).append(i)
     if not slots:
         return tuple(bounds)
@@ -103,4 +103,4 @@ def measured_sides(q_side: Sequence[torch.Tensor], k_side: Sequence[torch.Tensor
         _IN_CALL.reset(token)
 
 
-__all__ = ["INT32_CLASSES", "int64_side_ranges", "integer_side_bounds", "measured_sides", "value_bounds"]
+__all__ = ["INT32_CLASSES", "INTEGER_DTYPES", "int64_side_ranges", "integer_side_bounds", "measured_sides", "value_bounds"]
