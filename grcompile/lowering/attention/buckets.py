@@ -50,10 +50,12 @@ def _chunks(offs: list[int], heads: int, causal: bool, device: torch.device, bud
     """Yield ``(q_index [n, Lq], q_valid, k_index [n, Lk], k_valid)`` per chunk: the token of each
     slot (a padded slot repeats its row's last real token) and whether the slot is real.
 
-    ``n``, ``Lq`` and ``Lk`` are at least 2 (a lone row is paired with a copy of itself whose slots
-    are all padding, a one-token block gets a padding slot): the compiled chunk kernel is dynamic
-    in them, and a size of 1 would be a specialisation, hence a recompile, in the middle of
-    training."""
+    ``n``, ``Lq`` and ``Lk`` are at least 2: the compiled chunk kernel is dynamic in them, and a
+    size of 1 would be a specialisation, hence a recompile, in the middle of training. A lone row's
+    query block becomes two slot rows, its two halves, that read the same keys (:func:`_halves`):
+    the scores cover the block's pairs once. (Pairing the row with an all-padding copy of itself,
+    as before 2026-11-29, computed every long row's scores twice: the HSTU attention at N = 1024
+    was 1.3x slower than with no pairing at all.) A one-token block gets a padding slot."""
     budget = CHUNK_ELEMENTS if budget is None else budget
     lengths = [b - a for a, b in zip(offs[:-1], offs[1:])]
     for bucket in plan_buckets(lengths):
@@ -68,20 +70,37 @@ def _chunks(offs: list[int], heads: int, causal: bool, device: torch.device, bud
                 # a causal block reads the keys up to its end only: 4 blocks compute 62.5 % of the square
                 blocks = -(-q_block // CAUSAL_Q_BLOCK)
                 q_block = -(-q_block // blocks)
-            live = [True] * len(rows) + [False] * (len(rows) < 2)
-            rows = rows + rows[:1] * (len(rows) < 2)
+            if len(rows) == 1:
+                yield from _halves(offs[rows[0]], L, q_block, causal, device)
+                continue
             starts = torch.tensor([offs[r] for r in rows], dtype=torch.int64, device=device)
             lens = torch.tensor([lengths[r] for r in rows], dtype=torch.int64, device=device)
-            live_t = torch.tensor(live, dtype=torch.bool, device=device)
             for q0 in range(0, L, q_block):
                 q1 = min(L, q0 + q_block)
                 k1 = q1 if causal else L  # positions increase within a row: later keys are masked
-                yield _slots(starts, lens, live_t, q0, q1, device) + _slots(starts, lens, live_t, 0, k1, device)
+                yield _slots(starts, lens, q0, q1, device) + _slots(starts, lens, 0, k1, device)
 
 
-def _slots(starts, lens, live, lo: int, hi: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots ``lo .. max(hi, lo + 2)`` of each row; those at or past ``hi`` are padding."""
-    ar = torch.arange(lo, max(hi, lo + 2), dtype=torch.int64, device=device).unsqueeze(0)
-    valid = (ar < lens.unsqueeze(1)) & (ar < hi) & live.unsqueeze(1)
+def _halves(start: int, length: int, q_block: int, causal: bool, device: torch.device):
+    """The chunks of one row: each query block as two slot rows, its first and second half (the
+    second padded to the first's width), both reading the keys up to the block's end. A key slot
+    read by both halves is one token: the backward's ``index_add_`` sums its two gradients."""
+    starts = torch.full((2,), start, dtype=torch.int64, device=device)
+    lens = torch.full((2,), length, dtype=torch.int64, device=device)
+    for q0 in range(0, length, q_block):
+        q1 = min(length, q0 + q_block)
+        half = max(2, -(-(q1 - q0) // 2))
+        firsts = torch.tensor([q0, q0 + half], dtype=torch.int64, device=device)
+        k1 = q1 if causal else length
+        yield _slots(starts, lens, firsts, q1, device, width=half) + _slots(starts, lens, 0, k1, device)
+
+
+def _slots(starts, lens, lo, hi: int, device, width: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots ``lo .. lo + width`` of each row (``lo``: an int, or one per row; ``width``:
+    ``max(hi - lo, 2)`` by default); those at or past ``hi`` are padding."""
+    width = max(hi - lo, 2) if width is None else width
+    first = torch.as_tensor(lo, dtype=torch.int64, device=device).reshape(-1, 1)
+    ar = first + torch.arange(width, dtype=torch.int64, device=device).unsqueeze(0)
+    valid = (ar < lens.unsqueeze(1)) & (ar < hi)
     index = starts.unsqueeze(1) + torch.minimum(ar, lens.unsqueeze(1) - 1)
     return index, valid
