@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from .checkpoints import inline_checkpoints
 from .dump import describe_inputs, emit_artifact, write_dump, write_score_mods
 from ..lowering.checks import pin_checks
 from .failures import describe_error
@@ -120,6 +121,13 @@ class GrcompileBackend:
             log.info("grcompile graph %d: input %s has a zero-size dimension; runs as captured", k, empty)
             return gm.forward
         captured = fx.GraphModule(gm, copy_graph(gm.graph))  # for the lowering fallbacks below
+        inlined, kept = inline_checkpoints(gm)  # the passes see inside torch.utils.checkpoint regions
+        if inlined:
+            state.counters["capture.checkpoints_inlined"] += inlined
+        for call, why in kept:
+            state.fallbacks.append({"pass": "capture", "site": node_site(call), "graph": k, "reason": (
+                f"the torch.utils.checkpoint region is left closed ({why}): the passes do not see inside it, "
+                f"so what it computes runs as written")})
         state.shapes.make_lowerable(captured)  # guard-free spellings of symbolic sizes (shapes.py, point 4)
         if (why := state.shapes.recompile_reason(k)) is not None:
             state.recompiles.append(why)

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from .effects import WriteOrder, remove_dead_code
-from .pass_manager import GraphPass, PassContext, ends_at_return, node_site
+from .pass_manager import GraphPass, PassContext, carry_checkpoint_tags, ends_at_return, node_site
 from ..lowering.constant_check import CHECK_UNCHANGED, digest
 from ..lowering.score_mod import register_score_mod
 from ..lowering.score_mod_attention import SCORE_MOD_ATTENTION
@@ -300,6 +300,9 @@ class FuseAttention(GraphPass):
                                    "dropout_p": cap.dropout_p})
             if node.meta.get("stack_trace"):
                 out.meta["stack_trace"] = node.meta["stack_trace"]  # reports point at the user's line
+            carry_checkpoint_tags(node, out)
+            if seed is not None:
+                carry_checkpoint_tags(node, seed, save=True)  # recomputed, it would draw another mask
             out = _from_bnhd(g, out, node, lout)
         node.replace_all_uses_with(out)
         g.erase_node(node)

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from .effects import WriteOrder, remove_dead_code
-from .pass_manager import GraphPass, PassContext, copy_graph, ends_at_return, node_site
+from .pass_manager import CHECKPOINT_META, GraphPass, PassContext, copy_graph, ends_at_return, node_site
 from ..lowering.attention import JAGGED_ATTENTION
 from ..lowering.jagged import jagged_to_dense, segment_softmax, valid_to_offsets
 from ..lowering.pack import PACK_INDEX
@@ -292,7 +292,7 @@ class _Rewriter:
                     self.jagged[n] = self._convert(n)
                 except Unsupported as e:
                     raise _KeepDense(n, str(e)) from e
-            for key in ("stack_trace", "nn_module_stack", row_spellings.WRITTEN_AS):  # what the user wrote, where
+            for key in ("stack_trace", "nn_module_stack", row_spellings.WRITTEN_AS, *CHECKPOINT_META):  # what the user wrote, where, and a checkpoint region's tags
                 if n.meta.get(key) and not self.jagged[n].meta.get(key):
                     self.jagged[n].meta[key] = n.meta[key]
             done.append((canonical(n) if canonical(n) != "fused_attention" else "jagged_attention", n))

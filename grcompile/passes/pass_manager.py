@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from ..lowering.source_site import node_site
 
@@ -165,6 +166,22 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
             if hasattr(old, attr):
                 setattr(new, attr, getattr(old, attr))
     return saved
+
+
+# the tags of a torch.utils.checkpoint region (capture/checkpoints.py) that AOTAutograd's partitioner reads
+CHECKPOINT_META = ("recompute", "ac_graph_id")
+
+
+def carry_checkpoint_tags(source: fx.Node, new: fx.Node, save: bool = False) -> None:
+    """``new``, emitted in place of ``source``, joins ``source``'s checkpoint region, if any
+    (``save``: as a value the backward must not recompute: a random draw)."""
+    if "ac_graph_id" not in source.meta:
+        return
+    for key in CHECKPOINT_META:
+        if key in source.meta:
+            new.meta[key] = source.meta[key]
+    if save:
+        new.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 def substitute(graph: fx.Graph, fused: fx.Node, replaced: fx.Node, source: fx.Node) -> None:

@@ -1,0 +1,123 @@
+"""Activation-checkpointed regions (``torch.utils.checkpoint``) opened up for the passes.
+
+Dynamo captures ``checkpoint(fn, *args, use_reentrant=False)`` as one higher-order op,
+``tag_activation_checkpoint(body, *args)``, whose body is a graph of its own: the passes, which
+walk the captured graph, would see an opaque call and leave the attention inside it dense (a
+checkpointed HSTU block is the usual way to train a large one).
+
+Matches: every ``tag_activation_checkpoint`` node without a selective-checkpoint policy (a
+``context_fn``: its policy decides per op at trace time, which this cannot reproduce), whose
+results are read whole or through ``getitem``.
+Emits: the body's nodes in place of the call, each tagged the way AOTAutograd tags a checkpointed
+region when it traces the call itself — ``meta["recompute"] = PREFER_RECOMPUTE`` and one
+``meta["ac_graph_id"]`` per region, the fields the min-cut partitioner reads (both travel into the
+joint graph) — so the region's activations are still recomputed in the backward, not saved.
+Random ops (and ops with effects outside the graph) are tagged ``MUST_SAVE`` instead: recomputed,
+a dropout would draw a second mask (torch avoids that inside inductor by fixing each random op's
+seed first; grcompile's own lowerings do not).
+Invariant: values and gradients unchanged — the body computes what the call computed; only which
+activations are saved changes, as the checkpoint asked. Ops the passes emit in the region's place
+carry no tag: the partitioner decides for them.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ..passes.op_semantics import is_random
+from ..lowering.semantics import has_effects
+
+__all__ = ["inline_checkpoints"]
+
+_REGION_IDS = itertools.count(1 << 20)  # apart from the ids AOTAutograd gives the regions it tags itself
+
+
+def _is_checkpoint(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops.higher_order.tag_activation_checkpoint
+
+
+def inline_checkpoints(gm: fx.GraphModule) -> tuple[int, list[tuple[fx.Node, str]]]:
+    """Inline ``gm``'s checkpointed regions (nested ones too); ``(how many, [(call, why not)])``."""
+    inlined, refused = 0, []
+    while True:
+        todo = [n for n in gm.graph.nodes if _is_checkpoint(n) and n not in {r for r, _ in refused}]
+        if not todo:
+            break
+        for call in todo:
+            why = _inline(gm, call)
+            if why is None:
+                inlined += 1
+            else:
+                refused.append((call, why))
+    if inlined:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return inlined, refused
+
+
+def _inline(gm: fx.GraphModule, call: fx.Node) -> str | None:
+    body_attr = call.args[0]
+    if not (isinstance(body_attr, fx.Node) and body_attr.op == "get_attr"):
+        return "its body is not a graph attribute"
+    body = getattr(gm, body_attr.target)
+    if not isinstance(body, fx.GraphModule):
+        return "its body is not a graph"
+    if "_checkpoint_context_fn" in body.meta:
+        return "it has a selective-checkpoint policy (context_fn), which decides per op when AOTAutograd traces it"
+    if call.kwargs.get("use_reentrant"):
+        return "it uses the reentrant implementation"
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    operands = list(call.args[1:])
+    if len(placeholders) != len(operands):
+        return "its operands do not match its body's inputs"
+    (output,) = [n for n in body.graph.nodes if n.op == "output"]
+    results = output.args[0]
+    many = isinstance(results, (tuple, list))
+    if many and any(u.target is not operator.getitem or not isinstance(u.args[1], int) for u in call.users):
+        return "its results are read other than one by one"
+
+    region = next(_REGION_IDS)
+    trace = call.meta.get("stack_trace")
+    env: dict[fx.Node, fx.Node] = dict(zip(placeholders, operands))
+    g = gm.graph
+    with g.inserting_before(call):
+        for node in body.graph.nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            if node.op == "get_attr":  # a constant or a nested body: owned by gm from now on
+                name = _fresh_name(gm, f"{body_attr.target}_{node.target}")
+                setattr(gm, name, getattr(body, node.target))
+                new = g.get_attr(name)
+                new.meta = dict(node.meta)
+            else:
+                new = g.node_copy(node, env.__getitem__)
+                new.meta = dict(node.meta)
+                new.meta["recompute"] = (CheckpointPolicy.MUST_SAVE if is_random(node) or has_effects(node.target)
+                                         else CheckpointPolicy.PREFER_RECOMPUTE)
+                new.meta["ac_graph_id"] = region
+            if trace and not new.meta.get("stack_trace"):
+                new.meta["stack_trace"] = trace  # the body's ops lack one: name the checkpoint call
+            env[node] = new
+    mapped = fx.node.map_arg(results, env.__getitem__)
+    if many:
+        for user in list(call.users):
+            user.replace_all_uses_with(mapped[user.args[1]])
+            g.erase_node(user)
+    else:
+        call.replace_all_uses_with(mapped)
+    g.erase_node(call)
+    return None
+
+
+def _fresh_name(gm: fx.GraphModule, base: str) -> str:
+    base = base.replace(".", "_")
+    for i in itertools.count():
+        name = base if i == 0 else f"{base}_{i}"
+        if not hasattr(gm, name):
+            return name
+    raise AssertionError("unreachable")

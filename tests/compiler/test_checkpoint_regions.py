@@ -1,0 +1,140 @@
+"""Attention inside ``torch.utils.checkpoint`` (grcompile/capture/checkpoints.py): the region is
+opened for the passes (fused, jagged), values and gradients equal eager, and its activations are
+still recomputed in the backward, not saved. A selective-checkpoint policy leaves it closed, with
+a reason."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as checkpoint_module
+
+import grcompile
+from tests.passes.test_jagged_spellings import check, make_ids, tokens
+
+N, D, V = 8, 8, 40
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class CheckpointedBlock(nn.Module):
+    """Embedding, then a causal softmax (``explicit``) or SDPA (``sdpa``) attention block, run
+    under ``checkpoint`` (``mode``: "plain", "selective" with a context_fn, or "none")."""
+
+    def __init__(self, spelling: str = "explicit", mode: str = "plain", dropout: float = 0.0):
+        super().__init__()
+        self.spelling, self.mode, self.dropout = spelling, mode, dropout
+        self.item = nn.Embedding(V, D, padding_idx=0)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.out = nn.Linear(D, D)
+
+    def block(self, h, valid):
+        q, k, v = self.qkv(h).chunk(3, -1)
+        n = h.shape[1]
+        allowed = torch.tril(torch.ones(n, n, dtype=torch.bool, device=h.device)) & valid[:, None, :]
+        # -1e9, not -inf: eager's gradients stay finite on an empty row (every logit masked)
+        if self.spelling == "sdpa":
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.where(allowed, 0.0, -1e9).to(q.dtype))
+        else:
+            s = (q @ k.transpose(-1, -2) / D ** 0.5).masked_fill(~allowed, -1e9)
+            w = F.dropout(torch.softmax(s, -1), self.dropout, self.training)
+            a = w @ v
+        return self.out(a) * valid[..., None]
+
+    def forward(self, ids):
+        valid = ids != 0
+        h = self.item(ids)
+        if self.mode == "none":
+            return h + self.block(h, valid)
+        kwargs = {"use_reentrant": False}
+        if self.mode == "selective":
+            policy = functools.partial(checkpoint_module.create_selective_checkpoint_contexts,
+                                       [torch.ops.aten.mm.default])
+            kwargs["context_fn"] = policy
+        return h + checkpoint_module.checkpoint(self.block, h, valid, **kwargs)
+
+
+LENGTHS = [[0, 1, N, 5], [3, N, 2, 7]]
+
+
+@pytest.mark.parametrize("spelling", ["explicit", "sdpa"])
+def test_checkpointed_attention_is_fused_and_exact(spelling) -> None:
+    torch.manual_seed(0)
+    model = CheckpointedBlock(spelling).double()
+    optimized = None
+    for train in (True, False, True):
+        for lengths in LENGTHS:
+            ids = make_ids(lengths, seed=len(lengths))
+            optimized, report = check(model, (ids,), tokens(lambda i: i != 0), train=train, lowering="inductor",
+                                      optimized=optimized)
+    assert report.counters["capture.checkpoints_inlined"] >= 1
+    assert report.counters["fuse_attention.score_mod_attention"] >= 1
+    assert report.counters["jagged_rewrite.jagged_attention"] >= 1
+
+
+def _saved_bytes(fn, *args) -> int:
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return total
+
+
+def test_checkpointed_region_is_still_recomputed() -> None:
+    """The opened region keeps the checkpoint's recompute tags through the passes: the optimized
+    model saves less for the backward with the checkpoint than without it."""
+    torch.manual_seed(0)
+    ids = make_ids([N] * 6 + [3, 0], seed=1, n=N)
+    saved = {}
+    for mode in ("none", "plain"):
+        model = CheckpointedBlock(mode=mode)
+        fast = grcompile.optimize(model)
+        fast(ids)
+        saved[mode] = _saved_bytes(fast, ids)
+        assert grcompile.report(fast).counters.get("fuse_attention.score_mod_attention", 0) >= 1
+    assert saved["plain"] < 0.6 * saved["none"], saved
+
+
+@pytest.mark.parametrize("options", [{}, {"lowering": "eager", "remat": True}], ids=["inductor", "eager-remat"])
+def test_dropout_in_a_checkpointed_region_draws_once(options) -> None:
+    """Attention dropout inside the region: the optimized checkpointed model's gradients equal the
+    optimized model's without the checkpoint, same seed — a mask drawn again in the backward
+    would differ (inductor fixes each random op's seed before partitioning; the eager lowering's
+    partitioner does not)."""
+    ids = make_ids([0, 1, N, 5], seed=2)
+    grads = {}
+    for mode in ("none", "plain"):
+        torch.manual_seed(0)
+        model = CheckpointedBlock(mode=mode, dropout=0.3).double().train()
+        fast = grcompile.optimize(model, **options)
+        torch.manual_seed(1)
+        loss = (fast(ids) * (ids != 0)[..., None]).pow(2).sum()
+        loss.backward()
+        grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        assert grcompile.report(fast).counters.get("fuse_attention.score_mod_attention", 0) >= 1
+    for name, g in grads["none"].items():
+        torch.testing.assert_close(grads["plain"][name], g, msg=lambda s: f"{name}: {s}")
+
+
+def test_selective_checkpoint_stays_closed_with_a_reason() -> None:
+    torch.manual_seed(0)
+    model = CheckpointedBlock(mode="selective").double()
+    optimized = None
+    for lengths in LENGTHS:
+        optimized, report = check(model, (make_ids(lengths),), tokens(lambda i: i != 0), lowering="inductor",
+                                  optimized=optimized)
+    reasons = [f["reason"] for f in report.fallbacks if f["pass"] == "capture"]
+    assert reasons and "context_fn" in reasons[0], report.fallbacks
+    assert "capture.checkpoints_inlined" not in report.counters
