@@ -138,3 +138,28 @@ def test_selective_checkpoint_stays_closed_with_a_reason() -> None:
     reasons = [f["reason"] for f in report.fallbacks if f["pass"] == "capture"]
     assert reasons and "context_fn" in reasons[0], report.fallbacks
     assert "capture.checkpoints_inlined" not in report.counters
+
+
+class NestedCheckpoints(CheckpointedBlock):
+    """A checkpointed function returning a tuple, which checkpoints the attention block inside."""
+
+    def pair(self, h, valid):
+        a = checkpoint_module.checkpoint(self.block, h, valid, use_reentrant=False)
+        return a, a * 2
+
+    def forward(self, ids):
+        valid = ids != 0
+        h = self.item(ids)
+        a, b = checkpoint_module.checkpoint(self.pair, h, valid, use_reentrant=False)
+        return h + a + b
+
+
+def test_nested_checkpoints_with_tuple_results() -> None:
+    torch.manual_seed(0)
+    model = NestedCheckpoints().double()
+    optimized = None
+    for lengths in LENGTHS:
+        optimized, report = check(model, (make_ids(lengths),), tokens(lambda i: i != 0), lowering="inductor",
+                                  optimized=optimized)
+    assert report.counters["capture.checkpoints_inlined"] == 2
+    assert report.counters["jagged_rewrite.jagged_attention"] == 1
