@@ -33,6 +33,11 @@ _MAX_NODES = 256
 _ALLOWED = {"ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "add", "sub", "mul", "div", "neg", "unary",
             "where", "masked_fill", "unsqueeze", "squeeze", "reshape", "expand", "transpose", "permute", "arange",
             "factory", "reduce", "getitem", "repeat", "tril", "triu", "cat"}
+# integer shifts and fills of a [B, N] tensor (next-item targets: ``torch.roll(ids, -1, 1)``,
+# ``F.pad(ids[:, 1:], (0, 1))``, ``ids.new_full((B, 1), pad)``), matched here by name: they have no
+# canonical name, the layout rules know no shift, and a shape-changing factory must not tie axes
+_SHIFTS = (torch.roll, torch.nn.functional.pad, torch._C._nn.pad)
+_SHIFT_METHODS = ("roll", "new_full", "new_zeros", "new_ones")
 
 
 def spread_over(t: torch.Tensor, ndim: int, batch: int, seq: int, features: dict[int, int]) -> torch.Tensor:
@@ -142,16 +147,25 @@ def _ancestors(starts: list[fx.Node], x: fx.Node | None) -> set[fx.Node] | str:
             return f"the index is computed from the selected value {x.name} itself"
         seen.add(n)
         if len(seen) > _MAX_NODES:
-            return "the index and the validity take too many operations to recompute"
+            return "the checked values take too many operations to recompute"
         if n.op == "get_attr":
             continue
         if n.op not in ("call_function", "call_method") or writes(n) or is_random(n):
             return f"{n.name} cannot be recomputed before the graph runs (random, in place or not a plain op)"
         op = canonical(n)
-        if op not in _ALLOWED and not _size_arithmetic(n):
-            return f"the index or the validity is computed with {n.name}, which a run-time check does not recompute"
+        if op not in _ALLOWED and not _size_arithmetic(n) and not _shift(n):
+            return f"the checked values are computed with {n.name}, which a run-time check does not recompute"
         stack.extend(n.all_input_nodes)
     return seen
+
+
+def _shift(n: fx.Node) -> bool:
+    if n.op == "call_method":
+        return n.target in _SHIFT_METHODS
+    try:
+        return n.target in _SHIFTS
+    except TypeError:  # unhashable target
+        return False
 
 
 def _size_arithmetic(n: fx.Node) -> bool:
