@@ -45,11 +45,12 @@ import torch.fx as fx
 from .attention_capture import ANY, _Any, _CASTS, _eval_abstract, _factory_fill
 from .exit_checks import recompute_before
 from .layout import Flat, Token
-from .op_semantics import arg, canonical, example, shape_of
+from .op_semantics import arg, canonical, describe_op, example, shape_of
+from .pass_manager import node_site
 from .symbolic import is_one, known_eq
 
-__all__ = ["IgnoredLoss", "match_loss", "padded_target_value", "equals", "build_target_check",
-           "padded_targets_ignored", "padding_ids", "evaluate_check"]
+__all__ = ["IgnoredLoss", "decide", "check_reason", "match_loss", "padded_target_value", "equals",
+           "build_target_check", "padded_targets_ignored", "padding_ids", "evaluate_check"]
 
 
 @dataclass
@@ -178,11 +179,12 @@ def padded_targets_ignored(mask: torch.Tensor, target: torch.Tensor, ignore_inde
     return bool((target.reshape(padded.shape)[padded] == ignore_index).all())
 
 
-def build_target_check(gm: fx.GraphModule, x: fx.Node, loss: IgnoredLoss, mask: fx.Node, marks_padding: bool,
-                       written: dict) -> fx.GraphModule | str:
-    """A graph over ``gm``'s inputs returning True when this call's targets are ``ignore_index``
-    at every padded position, or why none can be built (a sentence)."""
-    copied = recompute_before(gm, [mask, loss.target], x, written)
+def build_target_check(gm: fx.GraphModule, x: fx.Node, u: fx.Node, loss: IgnoredLoss, mask: fx.Node,
+                       marks_padding: bool, written: dict) -> fx.GraphModule | str:
+    """A graph over ``gm``'s inputs returning True when the targets loss ``u`` reads on this call
+    are ``ignore_index`` at every padded position, or why none can be built (a sentence). Writes
+    into the targets before ``u`` (``t[:, -1] = pad`` after a roll) are replayed on the check's copy."""
+    copied = recompute_before(gm, [mask, loss.target], x, written, read_at=u)
     if isinstance(copied, str):
         return copied
     g, env = copied
@@ -211,6 +213,51 @@ def evaluate_check(check: fx.GraphModule, inputs: Sequence[Any] | None) -> bool 
             return bool(check(*values))
     except Exception:  # noqa: BLE001 - undecided: the per-call check decides
         return None
+
+
+def decide(u: fx.Node, x: fx.Node, info, layouts: dict, written: dict, inputs: Sequence[Any] | None
+           ) -> IgnoredLoss | None:
+    """``u`` as an ignored-target loss of ``x`` (``info``: the ``PaddingInfo``; ``written``:
+    ``effects.written_aliases``; ``inputs``: the call being compiled, when known), None when it is
+    not a mean / sum loss of ``x``. Its ``why`` (a sentence) says why the padded positions may not
+    be dropped; when it is None they may: proved (``how = "proved"``) or checked on each call
+    (``check``). A check that the call being compiled fails is not installed: that call shows the
+    padded positions count (an unmasked mean, another ``ignore_index``), and every call would
+    then run as captured instead of dense and compiled."""
+    match = match_loss(u, x, layouts, info.batch, info.seq_len)
+    if match is None:
+        return None
+    if isinstance(match, str):
+        return IgnoredLoss(None, 0, Flat(0, 1), why=f"the loss cannot drop them: {match}")
+    p = match.ignore_index
+    value = padded_target_value(match.target, layouts, set(info.validity), set(info.padding),
+                                padding_ids(info.validity, info.padding), written)
+    known = equals(value, p)
+    if known:
+        match.how = "proved"
+        return match
+    if known is False:
+        v = torch.as_tensor(value).item()
+        match.why = f"the loss counts them: their target is {int(v) if float(v).is_integer() else v}, not its ignore_index={p}"
+        return match
+    mask = info.validity[0] if info.validity else info.padding[0]
+    check = build_target_check(x.graph.owning_module, x, u, match, mask, not info.validity, written)
+    if isinstance(check, str):
+        match.why = (f"the loss ignores target {p}, but that the padded positions' targets are {p} is neither proved "
+                     f"nor can it be checked on each call: {check}")
+    elif evaluate_check(check, inputs) is False:
+        match.why = (f"the loss counts them in the call this graph was compiled for: a target at a padded position "
+                     f"is not its ignore_index={p}, so a check on each call would fail")
+    else:
+        match.check, match.how = check, "checked"
+    return match
+
+
+def check_reason(u: fx.Node, loss: IgnoredLoss, what: str) -> str:
+    """The report's sentence for a run-time check of ``loss`` (``what``: what relies on it)."""
+    p = loss.ignore_index
+    return (f"{describe_op(u)} ({node_site(u)}) has ignore_index={p}: {what} is exact when every padded "
+            f"position's target is {p}, which each call checks")
 
 
 def _leaves(value: Any) -> list:

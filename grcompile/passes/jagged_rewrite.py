@@ -232,46 +232,12 @@ class _Rewriter:
         return self._proofs[(n, u)]
 
     def _ignored_loss(self, n: fx.Node, u: fx.Node) -> ignored_loss.IgnoredLoss | None:
-        """``u`` as an ignored-target loss of region value ``n`` (``ignored_loss.py``), None when it is
-        not a mean / sum loss of ``n``; its ``why`` is None when the exit may be used: the padded
-        targets are proved to be ``ignore_index``, or checked on each call."""
+        """``u`` as an ignored-target loss of region value ``n`` (``ignored_loss.decide``), None when
+        it is not a mean / sum loss of ``n``; its ``why`` is None when the exit may be used."""
         if (n, u) not in self._losses:
-            match = ignored_loss.match_loss(u, n, self.layouts, self.B, self.N)
-            if isinstance(match, str):
-                match = ignored_loss.IgnoredLoss(None, 0, Flat(0, 1), why=f"the loss cannot drop them: {match}")
-            elif match is not None:
-                match.why = self._decide_loss(n, u, match)
-            self._losses[(n, u)] = match
+            self._losses[(n, u)] = ignored_loss.decide(u, n, self.info, self.layouts, self.write_order.writes_to,
+                                                       self.inputs)
         return self._losses[(n, u)]
-
-    def _decide_loss(self, n: fx.Node, u: fx.Node, loss: ignored_loss.IgnoredLoss) -> str | None:
-        """Why the padded positions of loss ``u`` may not be dropped (a sentence), or None: proved
-        (``loss.how = "proved"``) or checked on each call (``loss.check``)."""
-        p = loss.ignore_index
-        write = self.write_order.between(loss.target, u)
-        if write is not None:
-            return (f"the loss reads targets written in place by {describe_op(write)} at {node_site(write)}, so "
-                    f"whether they are its ignore_index={p} at the padded positions is not known before it runs")
-        written = self.write_order.writes_to
-        ids = ignored_loss.padding_ids(self.info.validity, self.info.padding)
-        value = ignored_loss.padded_target_value(loss.target, self.layouts, set(self.info.validity),
-                                                 set(self.info.padding), ids, written)
-        known = ignored_loss.equals(value, p)
-        if known:
-            loss.how = "proved"
-            return None
-        if known is False:
-            v = torch.as_tensor(value).item()
-            return f"the loss counts them: their target is {int(v) if float(v).is_integer() else v}, not its ignore_index={p}"
-        check = ignored_loss.build_target_check(self.gm, n, loss, self._valid_mask(), not self.info.validity, written)
-        if isinstance(check, str):
-            return (f"the loss ignores target {p}, but that the padded positions' targets are {p} is neither proved "
-                    f"nor can it be checked on each call: {check}")
-        if ignored_loss.evaluate_check(check, self.inputs) is False:
-            return (f"the loss counts them in the call this graph was compiled for: a target at a padded position "
-                    f"is not its ignore_index={p}, so a check on each call would fail")
-        loss.check, loss.how = check, "checked"
-        return None
 
     def _shrink(self) -> None:
         """Keep dense (exactly as written) the region values whose outside users need their
@@ -392,16 +358,14 @@ class _Rewriter:
                             f"each call checks that it reads only valid positions (or an empty row's own)")))
                 elif (loss := self._ignored_loss(n, u)) is not None and loss.why is None and (
                         loss.check is None or not zero(n)):  # 0 at padding: the dense exit needs no check
-                    self._check_no_write_between(loss.target, u)
                     with g.inserting_before(u):
                         new = self._loss_exit(u, n, loss)
                     self._count("exit_ignored_loss")
                     self._count(f"ignored_loss_{loss.how}")
                     self.loss_exits.append((u, loss.how))
                     if loss.check is not None:
-                        self.preconditions.append((u, loss.check, (
-                            f"{describe_op(u)} ({node_site(u)}) drops the padded positions, exact when their targets "
-                            f"are its ignore_index={loss.ignore_index}: each call checks that they are")))
+                        self.preconditions.append((u, loss.check, ignored_loss.check_reason(
+                            u, loss, "the loss computed on the valid positions only")))
                 else:
                     new = None
                 if new is not None:
@@ -421,7 +385,11 @@ class _Rewriter:
         """``u`` on the jagged values ``[T, C]`` and the targets at the valid positions ``[T]``, every
         other argument as written."""
         t = loss.target
-        target = self.jagged[t] if t in self.members else self._pack(t, loss.aligned)
+        if self.write_order.between(t, u) is not None:  # written in place after t: gathered where u reads it
+            flat = t if isinstance(loss.aligned, Flat) else self.g.call_method("flatten", (t, 0, 1))
+            target = self.g.call_function(operator.getitem, (flat, self.index))
+        else:
+            target = self.jagged[t] if t in self.members else self._pack(t, loss.aligned)
         args, kwargs = list(u.args), dict(u.kwargs)
         for index, name, value in ((0, "input", self.jagged[n]), (1, "target", target)):
             if len(args) > index:
