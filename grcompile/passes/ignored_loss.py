@@ -26,10 +26,15 @@ the value nor any gradient, whatever their logits hold. Valid positions whose ta
   ``ignore_index=0``), or
 * checked on each call (``build_target_check``: a small graph over the captured graph's inputs
   recomputing the validity and the targets — shifted ids, ``torch.roll``, ``F.pad``, a targets
-  input — then ``padded_targets_ignored``); a call that fails it runs the graph as captured
-  (``capture/guarded.py``). Shifted targets cannot be proved: the graph does not know the padding
-  is on the right, and with left padding or holes a padded position's shifted target is a real
-  item (eager counts it; the check fails and the call runs as written).
+  input — then ``padded_targets_ignored``; in-place writes into targets the graph created, such
+  as ``t[:, -1] = pad`` after a roll, are replayed on the check's copy); a call that fails it runs
+  the graph as captured (``capture/guarded.py``). Shifted targets cannot be proved: the graph does
+  not know the padding is on the right, and with left padding or holes a padded position's
+  shifted target is a real item (eager counts it; the check fails and the call runs as written).
+  A check that the call being compiled already fails is not installed (``decide``).
+
+``fuse_attention`` relies on the same decision: the fused op's padded query rows (0, where eager
+has a softmax) may reach such a loss (``padded_queries``).
 
 Anything else leaves the loss as today (the region shrinks: ``jagged_rewrite._shrink``) and the
 report says why, naming the loss's line.
