@@ -179,6 +179,21 @@ def test_ignored_target_losses_stay_jagged(spelling):
     assert report.unoptimized == [], report.unoptimized  # every call passed its check: none ran as captured
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("spelling", ["ce_mean", "shift_new_full", "kdim_shift_smoothing", "hf_where_module",
+                                      "roll_then_set"])
+def test_random_length_mixes(spelling, seed):
+    """Random lengths (an empty, a length-1 and a full row always among them), one compile."""
+    torch.manual_seed(seed)
+    model = NextItem(spelling).double()
+    g = torch.Generator().manual_seed(100 + seed)
+    mixes = [[0, 1, N] + torch.randint(0, N + 1, (3,), generator=g).tolist() for _ in range(3)]
+    mixes = [[m[i] for i in torch.randperm(6, generator=g)] for m in mixes]
+    report = _run(model, spelling, mixes=mixes)
+    assert report.compiles == 1 and jagged_ops(report).count("ignored_target_loss") == 1, report
+    assert jagged_fallbacks(report) == [] and report.unoptimized == [], report
+
+
 @pytest.mark.parametrize("spelling,lowering", [("ce_mean", "eager"), ("hf_masked_fill", "eager"),
                                                ("kdim_roll_set", "eager"), ("kdim_shift_smoothing", "inductor")])
 def test_with_a_fused_attention(spelling, lowering):
