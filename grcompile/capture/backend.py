@@ -134,7 +134,7 @@ class GrcompileBackend:
         state.shapes.learn(gm)  # which inputs carry rows / positions, for the next shape change
         guards = _shape_guards(gm)
 
-        ctx = PassContext(graph_index=k)
+        ctx = PassContext(graph_index=k, example_inputs=list(example_inputs))
 
         def on_pass(g: fx.GraphModule, r: PassResult) -> None:
             if r.error is not None:
@@ -148,6 +148,7 @@ class GrcompileBackend:
 
         run_pipeline(gm, state.passes, ctx, on_pass=on_pass)
         state.shapes.make_lowerable(gm, ctx)  # after the passes: they read the user's spellings
+        ctx.example_inputs = None  # the call's tensors: not kept past the compile
         state.rewrites += ctx.rewrites
         state.fallbacks += ctx.fallbacks
         state.counters.update(ctx.counters)

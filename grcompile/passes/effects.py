@@ -73,7 +73,7 @@ def remove_dead_code(graph: fx.Graph) -> bool:
 _FRESH = {"ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "sub", "div", "neg", "matmul", "einsum",
           "linear", "layer_norm", "rms_norm", "normalize", "embedding", "softmax", "reduce", "where",
           "masked_fill", "tril", "triu", "factory", "arange", "cat", "one_hot", "repeat", "repeat_interleave",
-          "add", "mul"}  # add / mul: the in-place spellings (iadd, imul) are writes, caught before this
+          "add", "mul", "class_loss"}  # add / mul: the in-place spellings (iadd, imul) are writes, caught before this
 # value-wise ops that may return their input itself (same dtype, already contiguous) or a view of it
 _MAY_RETURN_INPUT = {"contiguous", "to", "float", "long", "int", "bool", "half", "bfloat16", "type_as", "detach",
                      "double", "cuda", "cpu", "view_as", "expand_as", "reshape_as", "requires_grad_"}
@@ -105,7 +105,16 @@ def _may_alias_input(node: fx.Node) -> bool:
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     if name in _MAY_RETURN_INPUT:
         return True
+    if node.op == "call_method" and name == "roll" or node.op == "call_function" and _is_shift(node.target):
+        return False  # torch.roll and F.pad always allocate their result (no canonical name: matched here)
     return canonical(node) not in _FRESH and not (canonical(node) == "unary" and name not in _MAY_RETURN_INPUT)
+
+
+def _is_shift(target: Any) -> bool:
+    try:
+        return target in (torch.roll, torch.nn.functional.pad, torch._C._nn.pad)
+    except TypeError:  # unhashable target
+        return False
 
 
 def fresh(node: fx.Node) -> bool:

@@ -33,6 +33,11 @@ _MAX_NODES = 256
 _ALLOWED = {"ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "add", "sub", "mul", "div", "neg", "unary",
             "where", "masked_fill", "unsqueeze", "squeeze", "reshape", "expand", "transpose", "permute", "arange",
             "factory", "reduce", "getitem", "repeat", "tril", "triu", "cat"}
+# integer shifts and fills of a [B, N] tensor (next-item targets: ``torch.roll(ids, -1, 1)``,
+# ``F.pad(ids[:, 1:], (0, 1))``, ``ids.new_full((B, 1), pad)``), matched here by name: they have no
+# canonical name, the layout rules know no shift, and a shape-changing factory must not tie axes
+_SHIFTS = (torch.roll, torch.nn.functional.pad, torch._C._nn.pad)
+_SHIFT_METHODS = ("roll", "new_full", "new_zeros", "new_ones")
 
 
 def spread_over(t: torch.Tensor, ndim: int, batch: int, seq: int, features: dict[int, int]) -> torch.Tensor:
@@ -106,14 +111,39 @@ def build_read_check(gm: fx.GraphModule, u: fx.Node, x: fx.Node, layout: Token, 
 
 
 def recompute_before(gm: fx.GraphModule, starts: list[fx.Node], avoid: fx.Node | None,
-                     written: dict) -> tuple[fx.Graph, dict[fx.Node, fx.Node]] | str:
+                     written: dict, read_at: fx.Node | None = None) -> tuple[fx.Graph, dict[fx.Node, fx.Node]] | str:
     """A new graph over ``gm``'s inputs recomputing ``starts`` (cheap, deterministic ops only,
     never ``avoid``), and the map from ``gm``'s nodes to their copies; or why it cannot be built.
-    It runs before the graph, so nothing it reads may be written in place (``written``)."""
+    It runs before the graph, so nothing it reads may be written in place (``written``) — except,
+    with ``read_at`` (where the graph reads ``starts``), a tensor the graph creates and then writes
+    before ``read_at`` (``labels = ids.clone(); labels[ids == 0] = -100``): those writes are
+    replayed, in program order, on the check's own copy; one that may write into an input is not."""
     needed = _ancestors(starts, avoid)
     if isinstance(needed, str):
         return needed
-    if (hit := next((n for n in needed if n in written), None)) is not None:
+    replayed: set[fx.Node] = set()
+    if read_at is not None:
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        writes_into: dict[fx.Node, list[fx.Node]] = {}
+        for value, ws in written.items():
+            for w in ws:
+                writes_into.setdefault(w, []).append(value)
+        while True:
+            new = {w for n in needed for w in written.get(n, ()) if order[w] < order[read_at]} - replayed
+            if not new:
+                break
+            for w in sorted(new, key=order.__getitem__):
+                if any(v.op in ("placeholder", "get_attr") for v in writes_into.get(w, ())):
+                    return f"{w.name} may write into an input of the graph, so it cannot be replayed before the graph runs"
+                if w.op not in ("call_function", "call_method") or is_random(w):
+                    return f"{w.name} cannot be replayed before the graph runs (random or not a plain op)"
+            more = _ancestors([a for w in new for a in w.all_input_nodes], avoid)
+            if isinstance(more, str):
+                return more
+            needed |= more
+            replayed |= new
+        # a write after ``read_at`` is not copied: the graph reads the values before it, and so does the check
+    elif (hit := next((n for n in needed if n in written), None)) is not None:
         return f"{hit.name} is written in place ({written[hit][0].name}), so it cannot be checked before the graph runs"
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -121,7 +151,7 @@ def recompute_before(gm: fx.GraphModule, starts: list[fx.Node], avoid: fx.Node |
         if n.op == "placeholder":
             env[n] = g.placeholder(n.name, type_expr=n.type)
             env[n].meta.update(n.meta)
-        elif n in needed:
+        elif n in needed or n in replayed:
             env[n] = g.node_copy(n, lambda a: env[a])
     return g, env
 
@@ -142,16 +172,25 @@ def _ancestors(starts: list[fx.Node], x: fx.Node | None) -> set[fx.Node] | str:
             return f"the index is computed from the selected value {x.name} itself"
         seen.add(n)
         if len(seen) > _MAX_NODES:
-            return "the index and the validity take too many operations to recompute"
+            return "the checked values take too many operations to recompute"
         if n.op == "get_attr":
             continue
         if n.op not in ("call_function", "call_method") or writes(n) or is_random(n):
             return f"{n.name} cannot be recomputed before the graph runs (random, in place or not a plain op)"
         op = canonical(n)
-        if op not in _ALLOWED and not _size_arithmetic(n):
-            return f"the index or the validity is computed with {n.name}, which a run-time check does not recompute"
+        if op not in _ALLOWED and not _size_arithmetic(n) and not _shift(n):
+            return f"the checked values are computed with {n.name}, which a run-time check does not recompute"
         stack.extend(n.all_input_nodes)
     return seen
+
+
+def _shift(n: fx.Node) -> bool:
+    if n.op == "call_method":
+        return n.target in _SHIFT_METHODS
+    try:
+        return n.target in _SHIFTS
+    except TypeError:  # unhashable target
+        return False
 
 
 def _size_arithmetic(n: fx.Node) -> bool:

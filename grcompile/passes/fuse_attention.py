@@ -243,7 +243,8 @@ class FuseAttention(GraphPass):
         for node, expansion, cap, causal, check in planned:
             reads = []
             if info.unpadded is None:  # with nothing padded there are no padded query rows
-                why, reads = padded_rows_reach(node, info, proved, outputs_free, write_order.writes_to, replaced)
+                why, reads = padded_rows_reach(node, info, proved, outputs_free, write_order.writes_to, replaced,
+                                               ctx.example_inputs)
                 if why is not None:
                     _refused(ctx, expansion, node, Unsupported(f"the fused op gives 0 at padded queries, and {why}", node))
                     continue

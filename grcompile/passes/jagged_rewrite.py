@@ -7,10 +7,15 @@ Emits: one ``grcompile::pack_index(valid)`` (the data-dependent T, an unbacked s
 recompiles), gathers at the region's inputs (ids are packed *before* the embedding), the same
 ops on ``[T, ...]``, ``grcompile::jagged_attention`` for the attentions, and a scatter back to
 ``[B, N, ...]`` (zeros at padding) where a value leaves the region.
+A mean / sum ``cross_entropy`` / ``nll_loss`` of the flattened tokens (or the K-dimensional
+``[B, C, N]`` form) whose padded positions' targets are its ``ignore_index`` leaves through
+``ignored_loss``: the same loss on the jagged values and the gathered targets.
 Invariant: exact at every valid position. Leaving the region is allowed only where the original
 value is provably zero at padding (multiplied by the validity mask, or a fused attention output),
-so the zeros of the scatter equal the original; otherwise the whole graph stays dense and the
-report names the consumer.
+so the zeros of the scatter equal the original, or where its consumer ignores the padded
+positions (a loss whose padded targets are its ``ignore_index``: proved, or checked on each call
+with the call run as captured where the check fails); otherwise the values it reads stay dense
+and the report names the consumer.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from ..lowering.pack import PACK_INDEX
 from .attention_capture import Unsupported, side_value, _Any
 from .detect_padding import analyse
 from .exit_checks import build_read_check
+from . import ignored_loss
 from .jagged_exits import ExitEmitter, confined_row_axes, prove_reads_valid, segment_kind, selection_kind
 from .jagged_region import ZeroAtPadding, feature_index, hoist_validity, sequence_softmaxes, shrink, tiled_along
 from . import row_spellings
@@ -70,7 +76,7 @@ class JaggedRewrite(GraphPass):
         dense: dict[str, str] = {}  # region nodes whose jagged form failed: kept dense, retried
         while True:
             try:
-                rewriter = _Rewriter(gm, info, dense, outputs_free)
+                rewriter = _Rewriter(gm, info, dense, outputs_free, ctx.example_inputs)
                 converted = rewriter.run()
                 if converted:
                     _allow_data_dependent_sizes(gm)
@@ -95,6 +101,8 @@ class JaggedRewrite(GraphPass):
                 ctx.count(key, n)
         for op, node in converted:
             ctx.rewrite(op, node)
+        for node, how in rewriter.loss_exits:
+            ctx.rewrite("ignored_target_loss", node, target_at_padding=how)
         for node, reason in rewriter.notes:  # parts kept dense (exact), with why
             ctx.fallback(node, reason)
         for node, check, reason in rewriter.preconditions:
@@ -131,7 +139,7 @@ def _allow_data_dependent_sizes(gm: fx.GraphModule) -> None:
 
 class _Rewriter:
     def __init__(self, gm: fx.GraphModule, info, dense: dict[str, str] | None = None,
-                 outputs_free: bool = False) -> None:
+                 outputs_free: bool = False, inputs=None) -> None:
         self.gm, self.g, self.info = gm, gm.graph, info
         self.dense = dense or {}  # node name -> why it has no jagged form
         self.outputs_free = outputs_free
@@ -150,6 +158,10 @@ class _Rewriter:
         # selections whose reads are checked on each call instead of proved (exit_checks.py)
         self._read_checks: dict[tuple[fx.Node, fx.Node], tuple[fx.GraphModule, str]] = {}
         self.preconditions: list[tuple[fx.Node, fx.GraphModule, str]] = []
+        # mean / sum losses that ignore the padded positions' targets (ignored_loss.py)
+        self.inputs = inputs  # the call being compiled, when known: a check it fails is not installed
+        self._losses: dict[tuple[fx.Node, fx.Node], ignored_loss.IgnoredLoss | None] = {}
+        self.loss_exits: list[tuple[fx.Node, str]] = []
         by_name = {n.name: n for n in self.g.nodes}
         for name, reason in self.dense.items():
             self.notes.append((by_name.get(name), f"{name} stays dense: {reason}"))
@@ -219,6 +231,14 @@ class _Rewriter:
                 self._proofs[(n, u)] = "the validity is only given as a padding mask"
         return self._proofs[(n, u)]
 
+    def _ignored_loss(self, n: fx.Node, u: fx.Node) -> ignored_loss.IgnoredLoss | None:
+        """``u`` as an ignored-target loss of region value ``n`` (``ignored_loss.decide``), None when
+        it is not a mean / sum loss of ``n``; its ``why`` is None when the exit may be used."""
+        if (n, u) not in self._losses:
+            self._losses[(n, u)] = ignored_loss.decide(u, n, self.info, self.layouts, self.write_order.writes_to,
+                                                       self.inputs)
+        return self._losses[(n, u)]
+
     def _shrink(self) -> None:
         """Keep dense (exactly as written) the region values whose outside users need their
         padded values, and what they are computed from back to a value that is 0 at padding."""
@@ -233,6 +253,9 @@ class _Rewriter:
                     return False  # a split consumed outside: no dense form of the tuple
                 if zero(n) or (u.op == "output" and self.outputs_free):
                     return True
+                loss = self._ignored_loss(n, u)
+                if loss is not None:
+                    return loss.why is None
                 return isinstance(layout, Token) and selection_kind(u, n, members) is not None and self._proof(n, u) is None
             return ok
 
@@ -247,6 +270,8 @@ class _Rewriter:
         for (n, u), count in causes.items():
             who = "the graph output" if u.op == "output" else f"{u.name} ({node_site(u)})"
             why = self._proofs.get((n, u)) if selection_kind(u, n, set(self.region)) else None
+            if self._losses.get((n, u)) is not None:
+                why = self._losses[(n, u)].why
             reason = (f"{who} reads {n.name} at padded positions, and {n.name} is not provably zero at padding"
                       + (f" ({why})" if why else "") + ": ")
             if not heavy_left:
@@ -331,6 +356,16 @@ class _Rewriter:
                         self.preconditions.append((u, check, (
                             f"{describe_op(u)} ({node_site(u)}) may read a padded position of {n.name} ({why}): "
                             f"each call checks that it reads only valid positions (or an empty row's own)")))
+                elif (loss := self._ignored_loss(n, u)) is not None and loss.why is None and (
+                        loss.check is None or not zero(n)):  # 0 at padding: the dense exit needs no check
+                    with g.inserting_before(u):
+                        new = self._loss_exit(u, n, loss)
+                    self._count("exit_ignored_loss")
+                    self._count(f"ignored_loss_{loss.how}")
+                    self.loss_exits.append((u, loss.how))
+                    if loss.check is not None:
+                        self.preconditions.append((u, loss.check, ignored_loss.check_reason(
+                            u, loss, "the loss computed on the valid positions only")))
                 else:
                     new = None
                 if new is not None:
@@ -345,6 +380,23 @@ class _Rewriter:
                     dense = self._unpack(n, layout)
                     self._count("exit_dense")
                 u.replace_input_with(n, dense)
+
+    def _loss_exit(self, u: fx.Node, n: fx.Node, loss: ignored_loss.IgnoredLoss) -> fx.Node:
+        """``u`` on the jagged values ``[T, C]`` and the targets at the valid positions ``[T]``, every
+        other argument as written."""
+        t = loss.target
+        if self.write_order.between(t, u) is not None:  # written in place after t: gathered where u reads it
+            flat = t if isinstance(loss.aligned, Flat) else self.g.call_method("flatten", (t, 0, 1))
+            target = self.g.call_function(operator.getitem, (flat, self.index))
+        else:
+            target = self.jagged[t] if t in self.members else self._pack(t, loss.aligned)
+        args, kwargs = list(u.args), dict(u.kwargs)
+        for index, name, value in ((0, "input", self.jagged[n]), (1, "target", target)):
+            if len(args) > index:
+                args[index] = value
+            else:
+                kwargs[name] = value
+        return self.g.call_function(u.target, tuple(args), kwargs)
 
     def _count(self, key: str) -> None:
         self.counts[key] = self.counts.get(key, 0) + 1

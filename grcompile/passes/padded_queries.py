@@ -14,7 +14,9 @@ eager at padded tokens:
 * a selection of positions (``gather(1, lengths - 1)``, ``h[:, -1]``) ends it when its reads are
   proved valid (``jagged_exits.prove_reads_valid``) or checked on each call (``exit_checks``);
 * the graph output ends it when the graph ends at the frame's return (padded positions of an
-  output are not part of the contract).
+  output are not part of the contract);
+* a mean / sum loss that ignores the padded positions (``ignored_loss``: their targets are its
+  ``ignore_index``, proved or checked on each call) ends it: those rows add nothing to it.
 
 Anything else that reads such a value (an unmasked mean over positions, a loss over every
 position, a graph break) makes the fusion refuse, naming the op and the user's line.
@@ -26,6 +28,7 @@ import torch.fx as fx
 
 from .attention_capture import ANY, _Any, _eval_abstract, side_value
 from .exit_checks import build_read_check
+from . import ignored_loss
 from .jagged_exits import confined_row_axes, prove_reads_valid, selection_kind
 from .jagged_region import sequence_softmaxes, unaligned_value
 from . import row_spellings
@@ -37,13 +40,13 @@ __all__ = ["padded_rows_reach"]
 
 
 def padded_rows_reach(start: fx.Node, info, proved: set[fx.Node], outputs_free: bool, writes_to: dict,
-                      replaced: set[fx.Node] = frozenset()
+                      replaced: set[fx.Node] = frozenset(), inputs=None
                       ) -> tuple[str | None, list[tuple[fx.Node, fx.GraphModule, str]]]:
     """``(None, checks)`` when the padded query rows of the attention ending at ``start`` reach no
-    valid output (``checks``: run-time read checks of selections it relies on, as
-    ``(selection, check, reason)``); else ``(why, [])``. ``proved``: the contractions of the
+    valid output (``checks``: run-time checks of the selections and losses it relies on, as
+    ``(node, check, reason)``); else ``(why, [])``. ``proved``: the contractions of the
     attentions whose proof holds; ``replaced``: library calls whose spelled-out form stands in
-    for them (dead once fused)."""
+    for them (dead once fused); ``inputs``: the call being compiled, when known."""
     g = start.graph
     validity, padding = set(info.validity), set(info.padding)
     env = dict(info.layouts)  # layouts, with the sequence softmaxes' (0 at padding) filled in
@@ -85,6 +88,14 @@ def padded_rows_reach(start: fx.Node, info, proved: set[fx.Node], outputs_free: 
             continue
         else:
             x = next((a for a in n.all_input_nodes if a in tainted), None)
+            loss = ignored_loss.decide(n, x, info, env, writes_to, inputs) if x is not None else None
+            if loss is not None:
+                if loss.why is not None:
+                    return f"{_reads(n)} ({loss.why})", []
+                if loss.check is not None:
+                    checks.append((n, loss.check, ignored_loss.check_reason(
+                        n, loss, "the fused attention (0 at padded queries)")))
+                continue
             why = _selection(n, x, info, env, outputs_free, writes_to, checks)
             if why is None:
                 continue

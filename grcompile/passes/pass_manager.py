@@ -112,6 +112,9 @@ class PassContext:
     # checks over the graph's inputs that must hold for the transformed graph to be exact on a
     # call; where one does not, the backend runs the graph as captured (exit_checks.py)
     preconditions: list[dict[str, Any]] = field(default_factory=list)
+    # the inputs of the call this graph is compiled for (real tensors, in placeholder order), when
+    # the backend has them: a pass may try a run-time check on them before it relies on one
+    example_inputs: Sequence[Any] | None = None
 
     def rewrite(self, op: str, node: fx.Node | None, **extra: Any) -> None:
         """Record that this pass rewrote ``node`` into ``op`` (also counted as ``<pass>.<op>``)."""
