@@ -810,7 +810,26 @@ def _prepare(q, k, v, q_side, k_side, tables, *, score_mod, use_qk, activation, 
     # contiguous: the gradient buffers are, and a lookup's offset uses the table's strides for both
     all_tables = [t.contiguous() for t in tables] + [c.to(q.device).contiguous() for c in
                                                      (code.constants if code else [])]
+    _check_sorted(code, all_tables, len(tables))
     return q, k, v, module, code, all_tables
+
+
+def _check_sorted(code, all_tables: list[torch.Tensor], n_inputs: int) -> None:
+    """The kernels count a ``torch.bucketize``'s boundaries, which equals torch's binary search
+    only on sorted boundaries (torch requires them sorted and defines nothing else; a NaN among
+    them is unsorted): a call whose boundaries are not runs the reference, which calls torch."""
+    if code is None or not code.sorted_tables:
+        return
+    checked = [all_tables[i] for i in code.sorted_tables if all_tables[i].numel() > 1]
+    if not checked:
+        return
+    ok = torch.stack([(t[1:] >= t[:-1]).all() for t in checked])
+    if not bool(ok.all()):  # one synchronisation (the op's argument checks synchronise already)
+        bad = [i for i, good in zip((i for i in code.sorted_tables if all_tables[i].numel() > 1), ok.tolist())
+               if not good]
+        names = ", ".join(f"tables[{i}]" if i < n_inputs else "a constant of the score_mod" for i in bad)
+        raise TritonFallback(f"the boundaries of torch.bucketize ({names}) are not sorted (or hold NaN): torch "
+                             "defines buckets for sorted boundaries only, and the kernel counts boundaries")
 
 
 def _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score_mod, use_qk, activation, scale,
