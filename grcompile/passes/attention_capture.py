@@ -14,7 +14,9 @@ is an input only when the score_mod needs it: a per-head table ``[K, H]`` gather
 relative position (T5), or a per-head tensor. Tables are either gathered (``table[idx]``,
 ``F.embedding(idx, table)``, ``one_hot(idx) @ table``) or per-pair tensors without a padding
 layout (a numpy-built causal mask, ``torch.eye(N)``, a learned ``[H, N, N]`` bias) indexed by
-``[head, q_pos, k_pos]``; constant ones are evaluated at compile time for the proof.
+``[head, q_pos, k_pos]``; constant ones are evaluated at compile time for the proof. The
+boundaries of a ``torch.bucketize`` of a pair value (a bucketed time gap or relative position)
+are a table too, read whole by the op's ``bucketize``.
 Exactness then needs two facts, which ``prove`` establishes by abstract evaluation (concrete where
 the inputs are known, ``ANY`` elsewhere, ``x * 0 = 0`` for finite ``x``): for a valid query, a
 padded key contributes exactly 0 (or, before a softmax, a logit ≤ −1e4); and for ``causal=True``,
