@@ -242,7 +242,8 @@ def _apply_ranged(node: fx.Node, op: str | None, args: list) -> Any:
             bounds.numel() if isinstance(bounds, torch.Tensor) and bounds.dim() == 1 else None
         return _Range(0, size) if size is not None else None
     if op == "unary" and node.target in _CASTS and args and isinstance(args[0], _Range) and \
-            node.target not in ("bool", "half", "bfloat16") and not (node.target == "to" and not _int_or_wide(node)):
+            node.target not in ("bool", "half", "bfloat16", "type_as") and \
+            not (node.target == "to" and not _int_or_wide(node)):
         return args[0]
     if op == "getitem" and len(args) == 2 and isinstance(args[0], torch.Tensor):
         table, index = args
