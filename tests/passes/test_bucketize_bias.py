@@ -63,6 +63,8 @@ class Bucketed(nn.Module):
         self.shared = nn.Embedding(len(BOUNDS) + 1, 1)
         self.per_head = nn.Parameter(torch.randn(len(BOUNDS) + 1, H))
         self.t5 = nn.Embedding(6, H)
+        self.t5_bi = nn.Embedding(2 * 5, H)  # T5's bidirectional buckets: 5 per direction
+        self.register_buffer("log_bounds", torch.tensor([1, 2, 4, 8]))  # exact below 2, log-spaced above
 
     def forward(self, ids, ts):
         B, n = ids.shape
@@ -86,6 +88,11 @@ class Bucketed(nn.Module):
             pos = torch.arange(n)
             rel = pos[None, :] - pos[:, None]
             bias = self.t5(torch.bucketize(rel, torch.tensor([-4, -2, -1, 0, 1]))).permute(2, 0, 1)[None]
+        elif self.how == "t5_bidirectional":  # T5's bucketing written with bucketize: direction + log distance
+            pos = torch.arange(n)
+            rel = pos[None, :] - pos[:, None]
+            buckets = (rel > 0).long() * 5 + torch.bucketize(rel.abs(), self.log_bounds, right=True)
+            bias = self.t5_bi(buckets).permute(2, 0, 1).unsqueeze(0)
         elif self.how == "unsorted":
             bias = self.shared(torch.bucketize(dt, torch.tensor([1.0, 30.0, 3.0, 10.0, 100.0]))).squeeze(-1)[:, None]
         elif self.how == "per_token_bounds":  # row 0's timestamps as boundaries: per-token data
@@ -143,7 +150,7 @@ def assert_bucketize_fused(report, *, tables: int, head_index: bool) -> None:
 
 
 SPELLINGS = [("buffer", False), ("per_head_right", True), ("constant_int32", False), ("int_gap", False),
-             ("int32_gap_float_bounds", False), ("learned_bounds", False), ("t5", True)]
+             ("int32_gap_float_bounds", False), ("learned_bounds", False), ("t5", True), ("t5_bidirectional", True)]
 
 
 @pytest.mark.parametrize("how,head_index", SPELLINGS, ids=[s for s, _ in SPELLINGS])
