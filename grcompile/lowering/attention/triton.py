@@ -1012,12 +1012,19 @@ def _aot_time_bucket_per_head(score, q_pos, k_pos, head, q_side_0, k_side_0, tab
     return score + table_0[(bucket, head)]
 
 
+def _aot_bucketized_time_per_head(score, q_pos, k_pos, head, q_side_0, k_side_0, table_0, table_1):
+    """A bucketized time bias: the gap cut by ``torch.bucketize`` at 6 boundaries (compared one by
+    one, scalar loads), one table column per head."""
+    return score + table_1[(torch.bucketize((k_side_0 - q_side_0).abs(), table_0), head)]
+
+
 def aot_cases() -> dict[str, tuple]:
     """The score_mods of the AOT report, by model: ``(score_mod key, activation, use_qk, dropout,
     q_sides, k_sides, tables)`` — SASRec (none, softmax, dropout), HSTU (relative position +
     time-bucket tables, SiLU) on timestamps in seconds (the variant with int32 time gaps, see
-    :mod:`.side_ranges`) and in milliseconds (int64), FuXi-α's positional channel (no q·k) and a
-    zoo-style per-head time-bucket table. The sides' values choose the variant, as at a launch."""
+    :mod:`.side_ranges`) and in milliseconds (int64), FuXi-α's positional channel (no q·k), a
+    zoo-style per-head time-bucket table and a ``torch.bucketize``-d one (6 boundaries: a minute to
+    a week). The sides' values choose the variant, as at a launch."""
     from ..score_mod import hstu_rab_key, register_score_mod, relative_position_bias_key
     N, H = AOT_TOKENS, AOT_HEADS
     stamps = torch.tensor([1_700_000_000, 1_700_086_400])
@@ -1030,6 +1037,9 @@ def aot_cases() -> dict[str, tuple]:
         "fuxi_positional": (relative_position_bias_key(N), "identity", False, False, [], [], [torch.zeros(2 * N - 1)]),
         "time_bucket_per_head": (register_score_mod(_aot_time_bucket_per_head), "softmax", True, True,
                                  [stamps], [stamps], [torch.zeros(128, H)]),
+        "bucketize_per_head": (register_score_mod(_aot_bucketized_time_per_head), "softmax", True, True,
+                               [stamps], [stamps], [torch.tensor([60, 3600, 21600, 86400, 259200, 604800]),
+                                                    torch.zeros(7, H)]),
     }
 
 
@@ -1104,6 +1114,7 @@ def case_aot_config(case: tuple, kernel: str, arch: str, d: int, tile: Optional[
 # products on FMA, FP32_TILES) for HSTU and that SASRec, as the papers' configurations train
 AOT_REPORT = (("sasrec", 64, AOT_HEADS), ("hstu", 128, AOT_HEADS), ("hstu", 64, AOT_HEADS),
               ("hstu_ms", 128, AOT_HEADS), ("fuxi_positional", 64, AOT_HEADS), ("time_bucket_per_head", 64, AOT_HEADS),
+              ("bucketize_per_head", 64, AOT_HEADS),
               ("sasrec", 50, 1), ("hstu", 64, AOT_HEADS, torch.float32), ("sasrec", 50, 1, torch.float32))
 
 
