@@ -89,6 +89,9 @@ class ScoreModCode:
     guards: list["Guard"] = field(default_factory=list)
     runtime_ranges: Optional[Callable[[int, int], dict]] = None  # (max_len, heads) -> node intervals
     int32_sides: list[str] = field(default_factory=list)  # int64 sides ("qs0", "ks0") the kernel loads as int32
+    # table slots that are ``torch.bucketize`` boundaries: the kernels count boundaries, which is
+    # torch's binary search only on sorted boundaries, so the launcher checks each call's
+    sorted_tables: list[int] = field(default_factory=list)
     _bits: dict = field(default_factory=dict)
 
     def guard_bits(self, max_len: int, heads: int) -> int:
@@ -633,6 +636,70 @@ def _getitem(gen: _Gen, node: fx.Node, roles):
     return gen.lookup(node, roles)
 
 
+# at most this many boundaries are compared one by one (a scalar load and a compare each); more
+# are found by a binary search (a gather per halving step)
+LINEAR_BUCKETS = int(os.environ.get("GRCOMPILE_LINEAR_BUCKETS", "16"))
+
+
+def _bucketize(gen: _Gen, node: fx.Node, roles):
+    """``torch.bucketize(x, boundaries, out_int32=, right=)``: the number of boundaries ``b`` with
+    ``not (b >= x)`` (``right=True``: ``not (b > x)``), compared in the dtype torch promotes the
+    two to. On sorted boundaries that is torch's binary search exactly — ``boundaries[i-1] < x <=
+    boundaries[i]``, ties to the left bucket (right) — and a NaN ``x`` gets K, as there; the
+    launcher checks the boundaries are sorted (torch defines nothing else)."""
+    x_node, bounds = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("boundaries")
+    if len(node.args) > 2 or set(node.kwargs) - {"boundaries", "out_int32", "right"}:
+        raise Unsupported(f"{_where(node)}: only bucketize(x, boundaries, out_int32=, right=)")
+    right = node.kwargs.get("right", False)
+    if not isinstance(right, bool) or not isinstance(node.kwargs.get("out_int32", False), bool):
+        raise Unsupported(f"{_where(node)}: right= / out_int32= must be constant booleans")
+    if not isinstance(bounds, fx.Node) or bounds not in gen.tables:
+        raise Unsupported(f"{_where(node)}: the boundaries must be a table input of the op")
+    slot = gen.tables[bounds]
+    shape, b_dtype = gen.table_meta[slot] if slot < gen.n_tab else \
+        (tuple(gen.code.constants[slot - gen.n_tab].shape), gen.code.constants[slot - gen.n_tab].dtype)
+    if len(shape) != 1:
+        raise Unsupported(f"{_where(node)}: boundaries of shape {list(shape)}, not [K]")
+    x_meta = gen.metas[x_node] if isinstance(x_node, fx.Node) else None
+    if not isinstance(x_meta, torch.Tensor) or b_dtype in (torch.bool,) or b_dtype.is_complex:
+        raise Unsupported(f"{_where(node)}: bucketize of a {type(x_meta).__name__} by {b_dtype} boundaries")
+    comp = torch.result_type(x_meta, gen.metas[bounds])  # torch compares in the promoted dtype
+    if comp in (torch.float16, torch.bfloat16):
+        comp = torch.float32  # exact for both operands, the same order
+    if comp not in _TL_DTYPE or comp == torch.bool:
+        raise Unsupported(f"{_where(node)}: bucketize compared in {comp}")
+    gen.comp, gen.wide = comp, False
+    x = gen.arg(x_node)
+    tl_comp = _TL_DTYPE[comp]
+    if x.dtype == torch.bool and comp != torch.bool:
+        x = Value(f"({x.expr}).to({tl_comp})", comp, x.roles, x.node, x.interval)
+    K = shape[0]
+    cmp = ">" if right else ">="
+    bx, count = gen.fresh("bx"), gen.fresh("bc")
+    gen.lines.append(f"{bx} = {x.expr}")
+    if slot not in gen.code.sorted_tables:
+        gen.code.sorted_tables.append(slot)
+    if K == 0:
+        gen.lines.append(f"{count} = tl.where({bx} == {bx}, 0, 0)")
+    elif K <= LINEAR_BUCKETS:
+        for i in range(K):
+            b = f"tl.load(tab{slot} + {i} * tab{slot}_s0).to({tl_comp})"
+            term = f"tl.where({b} {cmp} {bx}, 0, 1)"
+            gen.lines.append(f"{count} = {term}" if i == 0 else f"{count} = {count} + {term}")
+    else:  # binary lifting: the largest count c with "not (b[c-1] cmp x)", one halving per step
+        step = 1 << (K.bit_length() - 1)  # the largest power of two <= K: the steps sum to >= K
+        gen.lines.append(f"{count} = tl.where({bx} == {bx}, 0, 0)")
+        while step:
+            idx, ok, b = gen.fresh("bi"), gen.fresh("bok"), gen.fresh("bb")
+            gen.lines.append(f"{idx} = {count} + {step - 1}")
+            gen.lines.append(f"{ok} = {idx} < {K}")
+            gen.lines.append(f"{b} = tl.load(tab{slot} + {idx} * tab{slot}_s0, mask={ok}, other=0).to({tl_comp})")
+            gen.lines.append(f"{count} = tl.where({ok} & (({b} {cmp} {bx}) == 0), {count} + {step}, {count})")
+            step >>= 1
+    gen.comp = None  # the count is int32 in [0, K]: stored in the dtype torch returns
+    return gen.emit(count, node, roles)
+
+
 def _pow(gen: _Gen, node: fx.Node, roles):
     x, e = node.args[:2]
     if isinstance(e, fx.Node) or e not in (2, 2.0, 3, 0.5, -1, -0.5, 1):
@@ -783,6 +850,7 @@ _FUNCTIONS: dict[Any, Callable] = {
     torch.gt: _binary(">"), torch.ge: _binary(">="), torch.eq: _binary("=="), torch.ne: _binary("!="),
     torch.logical_and: _binary("&"), torch.logical_or: _binary("|"), torch.logical_not: _invert,
     torch.abs: _unary(_ANY_UNARY["abs"]), torch.relu: _unary(_ANY_UNARY["relu"]),
+    torch.bucketize: _bucketize,
 }
 for _name, _tpl in _FLOAT_UNARY.items():
     _FUNCTIONS[getattr(torch, _name)] = _unary(_tpl)
@@ -1003,7 +1071,11 @@ def generate(mod: ScoreMod, q_sides, k_sides, tables, *, backward: bool, side_ra
         raise Unsupported(f"the score_mod returns {out.dtype}, not a floating score")
     expr = out.expr if out.roles == frozenset({"q", "k"}) else f"{out.expr} + tl.zeros_like(s)"
     code.forward.append(f"s_mod = ({expr}).to(tl.float32)")
-    code.float_tables = [i for i, t in enumerate(tables) if t.is_floating_point()]
+    looked_up = {gen.tables[n.args[0]] for n in gm.graph.nodes
+                 if n.op == "call_function" and n.target is operator.getitem and n.args and n.args[0] in gen.tables}
+    # a float table only compared with (bucketize boundaries) gets no gradient, as in torch
+    code.float_tables = [i for i, t in enumerate(tables) if t.is_floating_point()
+                         and (i not in code.sorted_tables or i in looked_up)]
     code.float_q_sides = [i for i, t in enumerate(q_sides) if t.is_floating_point()]
     code.float_k_sides = [i for i, t in enumerate(k_sides) if t.is_floating_point()]
     if backward:

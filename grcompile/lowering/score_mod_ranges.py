@@ -44,7 +44,7 @@ Interval = tuple[Number, Number]
 # rounding, masked_fill's value, a cast's dtype) or that change no value (where a tensor lives,
 # how it is laid out); any other keyword (add's alpha, ...) is not modelled
 MODELLED_KWARGS = frozenset({"min", "max", "rounding_mode", "value", "dtype", "device", "layout", "memory_format",
-                             "copy", "non_blocking", "requires_grad", "pin_memory"})
+                             "copy", "non_blocking", "requires_grad", "pin_memory", "right", "out_int32"})
 
 
 def unmodelled_kwargs(node: fx.Node) -> list[str]:
@@ -208,10 +208,11 @@ def constant_wraps(args: list, dtype_of: Callable[[Any], Optional[torch.dtype]])
 
 
 def node_interval(node: fx.Node, meta: Any, get: Callable[[Any], Optional[Interval]],
-                  dtype_of: Callable[[Any], Optional[torch.dtype]]) -> Optional[Interval]:
+                  dtype_of: Callable[[Any], Optional[torch.dtype]],
+                  size_of: Optional[Callable[[Any], Optional[int]]] = None) -> Optional[Interval]:
     """The interval of ``node``'s result (``meta``: its example value, for the dtype), given
-    ``get(arg)`` (an argument's interval: a constant's own value, a node's proven interval or None)
-    and ``dtype_of(arg)`` (a node's dtype)."""
+    ``get(arg)`` (an argument's interval: a constant's own value, a node's proven interval or None),
+    ``dtype_of(arg)`` (a node's dtype) and ``size_of(arg)`` (a 1-D tensor's length, or None)."""
     dtype = _dtype(meta)
     whole = dtype_range(dtype)
     if dtype is None:  # a Python number computed from constants, or not a tensor
@@ -223,6 +224,10 @@ def node_interval(node: fx.Node, meta: Any, get: Callable[[Any], Optional[Interv
         return whole
     if name == "getitem":  # a table lookup: anything the table holds
         return whole
+    if name == "bucketize":  # a count of boundaries: [0, K] whatever x is (NaN: K)
+        bounds = node.args[1] if len(node.args) > 1 else node.kwargs.get("boundaries")
+        size = size_of(bounds) if size_of is not None and isinstance(bounds, fx.Node) else None
+        return (0, size) if size is not None and whole is not None and size <= whole[1] else whole
     if unmodelled_kwargs(node):
         return whole  # e.g. add(x, y, alpha=...): not modelled
     args = list(node.args)
@@ -362,6 +367,12 @@ def propagate(gm: fx.GraphModule, metas: Mapping[fx.Node, Any],
     def dtype_of(a: Any) -> Optional[torch.dtype]:
         return _dtype(metas.get(a)) if isinstance(a, fx.Node) else None
 
+    def size_of(a: Any) -> Optional[int]:
+        meta = metas.get(a) if isinstance(a, fx.Node) else None
+        if isinstance(meta, torch.Tensor) and meta.dim() == 1 and isinstance(meta.shape[0], int):
+            return int(meta.shape[0])
+        return None
+
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             ranges[node] = inputs[node] if node in inputs else dtype_range(_dtype(metas.get(node)))
@@ -371,7 +382,7 @@ def propagate(gm: fx.GraphModule, metas: Mapping[fx.Node, Any],
                 value = getattr(value, part, None)
             ranges[node] = _const(value.item()) if isinstance(value, torch.Tensor) and value.dim() == 0 else None
         elif node.op in ("call_function", "call_method"):
-            ranges[node] = node_interval(node, metas.get(node), get, dtype_of)
+            ranges[node] = node_interval(node, metas.get(node), get, dtype_of, size_of)
     return ranges
 
 

@@ -14,7 +14,9 @@ is an input only when the score_mod needs it: a per-head table ``[K, H]`` gather
 relative position (T5), or a per-head tensor. Tables are either gathered (``table[idx]``,
 ``F.embedding(idx, table)``, ``one_hot(idx) @ table``) or per-pair tensors without a padding
 layout (a numpy-built causal mask, ``torch.eye(N)``, a learned ``[H, N, N]`` bias) indexed by
-``[head, q_pos, k_pos]``; constant ones are evaluated at compile time for the proof.
+``[head, q_pos, k_pos]``; constant ones are evaluated at compile time for the proof. The
+boundaries of a ``torch.bucketize`` of a pair value (a bucketed time gap or relative position)
+are a table too, read whole by the op's ``bucketize``.
 Exactness then needs two facts, which ``prove`` establishes by abstract evaluation (concrete where
 the inputs are known, ``ANY`` elsewhere, ``x * 0 = 0`` for finite ``x``): for a valid query, a
 padded key contributes exactly 0 (or, before a softmax, a logit ≤ −1e4); and for ``causal=True``,
@@ -79,6 +81,9 @@ class Capture:
     # per-token inputs (the user's names) that may mask a valid query's own key, which the proof
     # cannot evaluate: the fused softmax is exact only on calls where every valid query keeps it
     unknown_own_key: list[str] = field(default_factory=list)
+    # the tables that are ``torch.bucketize`` boundaries (1-D, no gradient flows into them) ->
+    # their value where it is a compile-time constant (the proof evaluates buckets with it), else None
+    boundaries: dict = field(default_factory=dict)
 
 
 def is_qk_score(node: fx.Node, layouts: dict) -> bool:
@@ -105,6 +110,30 @@ class _Masked(_Any):
 
 
 MASKED = _Masked()
+
+
+class _Boundaries(_Any):
+    """Unknown (sorted) ``torch.bucketize`` boundaries of ``size`` elements: a buffer or parameter
+    whose value the proof may not assume."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __repr__(self) -> str:
+        return f"BOUNDARIES[{self.size}]"
+
+
+class _Range(_Any):
+    """An unknown integer tensor every element of which lies in ``[lo, hi]`` (a bucket index)."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+
+    def __repr__(self) -> str:
+        return f"RANGE[{self.lo}, {self.hi}]"
+
+
+_MAX_RANGE_LOOKUPS = 4096  # table rows a lookup at a _Range index reads to find them all equal
 
 
 def _all(value: Any, predicate) -> bool:
@@ -148,6 +177,9 @@ def _has_any(value: Any) -> bool:
 def _apply(node: fx.Node, args: list, kwargs: dict) -> Any:
     """One op of the abstract evaluation, with at least one ``ANY`` among its inputs."""
     op = canonical(node)
+    ranged = _apply_ranged(node, op, args)
+    if ranged is not None:
+        return ranged
     zero = lambda v: _all(v, lambda t: t == 0)  # noqa: E731
     result: Any = ANY
     masked = [a is MASKED for a in args[:2]]
@@ -197,6 +229,42 @@ def _apply(node: fx.Node, args: list, kwargs: dict) -> Any:
     elif op == "unary" and node.target in _CASTS and args[0] is not ANY:
         result = args[0]
     return result
+
+
+def _apply_ranged(node: fx.Node, op: str | None, args: list) -> Any:
+    """The rules for bucket indices: ``bucketize(x, boundaries)`` lies in ``[0, K]`` whatever ``x``
+    is (NaN included: K) and whatever its K sorted boundaries are; an integer cast keeps that
+    range; a lookup ``table[idx]`` (``table[idx, head]``) whose rows in the range are all equal
+    is that row. None: no rule applies."""
+    if op == "bucketize" and len(args) >= 2:
+        bounds = args[1]
+        size = bounds.size if isinstance(bounds, _Boundaries) else \
+            bounds.numel() if isinstance(bounds, torch.Tensor) and bounds.dim() == 1 else None
+        return _Range(0, size) if size is not None else None
+    if op == "unary" and node.target in _CASTS and args and isinstance(args[0], _Range) and \
+            node.target not in ("bool", "half", "bfloat16", "type_as") and \
+            not (node.target == "to" and not _int_or_wide(node)):
+        return args[0]
+    if op == "getitem" and len(args) == 2 and isinstance(args[0], torch.Tensor):
+        table, index = args
+        items = index if isinstance(index, tuple) else (index,)
+        ranged = [i for i, x in enumerate(items) if isinstance(x, _Range)]
+        if len(ranged) != 1 or ranged[0] != 0 or any(isinstance(x, _Any) for x in items[1:]) or table.dim() == 0:
+            return None
+        r = items[0]
+        if r.lo < -table.shape[0] or r.hi >= table.shape[0] or r.hi - r.lo + 1 > _MAX_RANGE_LOOKUPS:
+            return None  # (an index out of range raises in eager and in the op alike)
+        rows = [table[(row, *items[1:])] for row in range(r.lo, r.hi + 1)]
+        first = rows[0]
+        if all(torch.equal(first, x) for x in rows[1:]):
+            return first
+    return None
+
+
+def _int_or_wide(node: fx.Node) -> bool:
+    """``x.to(dtype)`` to an integer dtype or a float dtype that holds every bucket index exactly."""
+    dtype = arg(node, 1, "dtype")
+    return isinstance(dtype, torch.dtype) and dtype in (torch.int64, torch.int32, torch.float32, torch.float64)
 
 
 def _finite(value: Any) -> bool:
@@ -525,6 +593,12 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
     for n in region:
         for a in n.all_input_nodes:
             kind = leaves.get(a)
+            if canonical(n) == "bucketize" and a is arg(n, 1, "boundaries") and a is not n.args[0]:
+                if a not in views:
+                    cap.boundaries[a] = _check_boundaries(a, n, kind)
+                    views[a] = None
+                    tables.append(a)
+                continue
             if kind == "side":
                 role = _role(a, roles(n), layouts, n)
                 if (a, role) not in sides:
@@ -636,6 +710,14 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
             frame_env[n] = gather(n, base, _gather_index(n, base))
         elif op == "getitem":
             raise Unsupported(f"indexing {n.name} inside the attention scores (only table[index] lookups)", n)
+        elif op == "bucketize":
+            boundaries = arg(n, 1, "boundaries")
+            options = {k: n.kwargs[k] for k in ("out_int32", "right") if k in n.kwargs}
+            if set(n.kwargs) - {"boundaries", "out_int32", "right"} or len(n.args) > 2 or \
+                    not all(isinstance(v, bool) for v in options.values()):
+                raise Unsupported(f"{spelled(n)} ({n.name}) with arguments other than out_int32= / right= "
+                                  f"(constant booleans) inside the attention scores", n)
+            frame_env[n] = g.call_function(torch.bucketize, (value_of(n.args[0], n), table_ph[boundaries]), options)
         elif op in _POINTWISE:
             _check_heads_line_up(n, roles, leaves)
             args = fx.node.map_arg(n.args, lambda a: value_of(a, n))
@@ -708,6 +790,46 @@ def _check_table(table: fx.Node, user: fx.Node, H: int) -> None:
     if len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] not in (1, H)):
         raise Unsupported(f"bias table {table.name} has shape {shape}: a lookup table is [K] or [K, heads] "
                           f"(heads = {H}) here", user)
+
+
+def _check_boundaries(boundaries: fx.Node, user: fx.Node, kind: str | None) -> torch.Tensor | None:
+    """The boundaries of a ``torch.bucketize`` inside the scores become a table input of the op:
+    they must be one tensor for the whole call (a constant, a buffer or parameter, or computed
+    from those), 1-D, and sorted where their value is known now. torch requires sorted
+    boundaries and documents no result otherwise (its binary search gives one, which no other
+    implementation need repeat): boundaries whose value now (a constant, a buffer) is unsorted
+    are refused here, and the Triton kernels check the boundaries of every call. Returns their
+    value when it is a compile-time constant (read from no input), else None."""
+    if kind != "free":
+        raise Unsupported(f"the boundaries of {spelled(user)} ({boundaries.name}) vary per token or per pair: only "
+                          f"one boundaries tensor for the whole batch (a constant, a buffer or a parameter) enters "
+                          f"the fused op", user)
+    shape = shape_of(boundaries)
+    if shape is None or len(shape) != 1:
+        raise Unsupported(f"the boundaries of {spelled(user)} ({boundaries.name}) have shape {shape}, not [K]", user)
+    try:
+        value, inputs = static_value(boundaries)
+    except Exception:  # noqa: BLE001 - learned, or read from inputs: known at run time only
+        return None
+    if not isinstance(value, torch.Tensor):
+        return None
+    if value.numel() > 1 and not bool((value[1:] >= value[:-1]).all()):
+        raise Unsupported(f"the boundaries of {spelled(user)} ({boundaries.name}) are not sorted "
+                          f"({_preview(value)}): torch requires sorted boundaries and its result is otherwise "
+                          f"implementation-defined, so the fused op cannot promise the same buckets", user)
+    return None if inputs else value
+
+
+def _preview(value: torch.Tensor, limit: int = 8) -> str:
+    items = value.flatten().tolist()
+    text = ", ".join(f"{x:g}" if isinstance(x, float) else str(x) for x in items[:limit])
+    return f"[{text}{', ...' if len(items) > limit else ''}]"
+
+
+def _unknown_boundaries(t: fx.Node) -> Any:
+    """What the proof knows of boundaries read from a buffer or parameter: their size, if static."""
+    shape = shape_of(t)
+    return _Boundaries(shape[0]) if shape is not None and len(shape) == 1 and isinstance(shape[0], int) else ANY
 
 
 def _tiles_broadcast_axes_only(n: fx.Node) -> bool:
@@ -791,7 +913,8 @@ def collect_from(top: fx.Node, layouts: dict) -> tuple[list[fx.Node], dict[fx.No
             region.add(n)
             stack.extend(n.all_input_nodes)
         elif isinstance(layout, Token) and _varies_beyond_tokens(n, layout) and (
-                canonical(n) in _POINTWISE or canonical(n) in _SHAPE_ONLY or canonical(n) in ("repeat", "repeat_interleave")
+                canonical(n) in _POINTWISE or canonical(n) in _SHAPE_ONLY
+                or canonical(n) in ("repeat", "repeat_interleave", "bucketize")
                 or (canonical(n) == "getitem" and _is_broadcast_index(n.args[1]))):
             region.add(n)  # a per-token value combined with a per-pair constant: computed per pair
             stack.extend(n.all_input_nodes)
@@ -828,6 +951,9 @@ def _table_stand_ins(cap: Capture) -> list[Any]:
     for a learned table (a finite stand-in), ``ANY`` where neither is known."""
     tables: list[Any] = []
     for t, view in zip(cap.tables, cap.views):
+        if t in cap.boundaries:  # buckets may decide a mask: their constant value, or unknown
+            tables.append(cap.boundaries[t] if cap.boundaries[t] is not None else _unknown_boundaries(t))
+            continue
         if view is not None:
             tables.append(view.static if view.static is not None else ANY)
             continue
@@ -860,7 +986,33 @@ def _opaque(_value: Any) -> Any:
 _COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
 
 
-def _proof_frame(mod: fx.GraphModule, N: Any, for_every_n: bool = False) -> tuple[fx.GraphModule, int]:
+_MAX_FRAME_CONSTANT = 1 << 12  # a bucketize threshold beyond this keeps its positions opaque (enumeration cost)
+
+
+def _bucket_thresholds(n: fx.Node, boundaries: torch.Tensor) -> list[int] | None:
+    """The integer constants ``c`` such that ``bucketize(f, boundaries)`` of an integer ``f`` is
+    the number of thresholds with ``f >= c`` (``right=False``: ``b < f`` iff ``f >= floor(b) + 1``;
+    ``right=True``: ``b <= f`` iff ``f >= ceil(b)``); None if a boundary is not a finite number
+    within reach. With sorted boundaries this is torch's result: a function of comparisons of
+    ``f`` with constants, which the frame's twins keep."""
+    if boundaries.dim() != 1 or boundaries.dtype == torch.bool or boundaries.is_complex():
+        return None
+    right = bool(n.kwargs.get("right", False))
+    out = []
+    for b in boundaries.tolist():
+        if not math.isfinite(b):
+            if isinstance(b, float) and math.isnan(b):
+                return None
+            continue  # -inf < f always, +inf < f never: no constant
+        c = math.ceil(b) if right else math.floor(b) + 1
+        if abs(c) > _MAX_FRAME_CONSTANT:
+            return None
+        out.append(int(c))
+    return out
+
+
+def _proof_frame(mod: fx.GraphModule, N: Any, for_every_n: bool = False,
+                 constants: dict[str, torch.Tensor] | None = None) -> tuple[fx.GraphModule, int]:
     """The score_mod to prove on, and the N to enumerate positions on.
 
     A static N: ``mod`` itself on every (i, j) of ``[0, N)²`` — exhaustive, so a proof.
@@ -875,7 +1027,12 @@ def _proof_frame(mod: fx.GraphModule, N: Any, for_every_n: bool = False) -> tupl
     enumerating ``[0, 2K + 5)`` proves the obligations for every N. Any other use of a position
     (a cast, a product: an ALiBi slope, a comparison with N) is replaced by ANY in the copy
     proved on: sound, and nothing is concluded from it. ``for_every_n``: that frame for a static N
-    too (a proof for every N holds for this one; a few positions instead of N²)."""
+    too (a proof for every N holds for this one; a few positions instead of N²).
+
+    ``bucketize(form, boundaries)`` with constant (``constants``: table placeholder name -> value),
+    sorted boundaries counts the thresholds ``c`` (:func:`_bucket_thresholds`) with ``form >= c``:
+    it is monotone in the form, a function of comparisons with constants, and as free to use as
+    they are (its thresholds join K)."""
     if not is_symbolic(N) and not for_every_n:
         return mod, N
     g = fx.Graph()
@@ -919,6 +1076,13 @@ def _proof_frame(mod: fx.GraphModule, N: Any, for_every_n: bool = False) -> tupl
             continue
         if op == "getitem" and n.args[0] in tables:
             continue  # a table lookup at a position: the proof reads no table value
+        if op == "bucketize" and n.args[0] in forms and len(positional) == 1 and isinstance(n.args[1], fx.Node) \
+                and (constants or {}).get(n.args[1].name) is not None:
+            thresholds = _bucket_thresholds(n, constants[n.args[1].name])
+            if thresholds is not None:
+                offset = forms[n.args[0]][2]  # form >= c  iff  a·i + b·j >= c - offset
+                K = max([K, *(abs(c - offset) for c in thresholds)])
+                continue
         for a in positional:
             with g.inserting_before(n):
                 hidden = g.call_function(_opaque, (a,))
@@ -938,9 +1102,14 @@ def prove(cap: Capture, validity: set[fx.Node], N: int, padding: set[fx.Node] = 
     if is_symbolic(N) and any(view is not None and view.static is not None for view in cap.views):
         raise Unsupported("a constant per-pair tensor enters the attention scores of a graph compiled for any "
                           "sequence length: its values are only known for one N", cap.score)
-    mod, N = _proof_frame(cap.score_mod, N)
+    constants = {f"table_{i}": cap.boundaries[t] for i, t in enumerate(cap.tables)
+                 if cap.boundaries.get(t) is not None}
+    mod, N = _proof_frame(cap.score_mod, N, constants=constants)
     heads = [torch.arange(cap.heads).view(cap.heads, 1)] if cap.uses_head else []
-    tables = [view.static if view is not None and view.static is not None else ANY for view in cap.views]
+    tables = [view.static if view is not None and view.static is not None else
+              (cap.boundaries[t] if cap.boundaries[t] is not None else _unknown_boundaries(t))
+              if t in cap.boundaries else ANY
+              for t, view in zip(cap.tables, cap.views)]
 
     def inputs(q_pos, k_pos, q_valid, k_valid):
         sides = [side_value(s.node, q_valid if s.role == "q" else k_valid, validity, padding) for s in cap.sides]
@@ -960,7 +1129,7 @@ def prove(cap: Capture, validity: set[fx.Node], N: int, padding: set[fx.Node] = 
         # a valid query and a padded key are never the same token: a mask that lets a query see
         # its own position (``| torch.eye(N)``, computed as ``q_pos == k_pos``) masks every padded
         # key if it does at every i != j — enumerated on the frame that proves it for every N
-        frame, n = _proof_frame(cap.score_mod, N, for_every_n=True)
+        frame, n = _proof_frame(cap.score_mod, N, for_every_n=True, constants=constants)
         fi, fj = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
         apart = fi != fj
         padded_key = abstract_eval(frame, inputs(fi[apart][None], fj[apart][None], true, false))

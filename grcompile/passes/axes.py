@@ -127,6 +127,9 @@ class AxisClasses:
                 if isinstance(a, fx.Node) and isinstance(example(a), torch.Tensor):
                     self._aligned(node, a, out)
             return
+        if op == "bucketize" and isinstance(x, fx.Node) and xs is not None and len(xs) == nd:
+            self._mapped(node, x, {i: i for i in range(nd)})  # pointwise in x; the boundaries are no axis of it
+            return
         if op == "factory" and isinstance(x, fx.Node) and xs is not None and len(xs) == nd:  # zeros_like(x)
             self._mapped(node, x, {i: i for i in range(nd)})
             return

@@ -73,7 +73,7 @@ def remove_dead_code(graph: fx.Graph) -> bool:
 _FRESH = {"ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "sub", "div", "neg", "matmul", "einsum",
           "linear", "layer_norm", "rms_norm", "normalize", "embedding", "softmax", "reduce", "where",
           "masked_fill", "tril", "triu", "factory", "arange", "cat", "one_hot", "repeat", "repeat_interleave",
-          "add", "mul", "class_loss"}  # add / mul: the in-place spellings (iadd, imul) are writes, caught before this
+          "add", "mul", "class_loss", "bucketize"}  # add / mul: the in-place spellings (iadd, imul) are writes, caught before this
 # value-wise ops that may return their input itself (same dtype, already contiguous) or a view of it
 _MAY_RETURN_INPUT = {"contiguous", "to", "float", "long", "int", "bool", "half", "bfloat16", "type_as", "detach",
                      "double", "cuda", "cpu", "view_as", "expand_as", "reshape_as", "requires_grad_"}

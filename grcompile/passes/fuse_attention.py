@@ -294,7 +294,8 @@ class FuseAttention(GraphPass):
             if cap.dropout_p > 0:  # a fresh mask seed per call, from the default generator
                 device = getattr(v.meta.get("example_value"), "device", None)
                 seed = g.call_function(torch.randint, (0, 2**31 - 1, (1,)), {"dtype": torch.int64, "device": device})
-            tables = [_table_input(g, t, view, example(v).device) for t, view in zip(cap.tables, cap.views)]
+            tables = [_boundaries_input(g, cap, t, _table_input(g, t, view, example(v).device))
+                      for t, view in zip(cap.tables, cap.views)]
             out = g.call_function(SCORE_MOD_ATTENTION,
                                   (q, k, vv, valid, q_sides, k_sides, tables, seed),
                                   {"score_mod": key, "normalize": cap.normalize, "causal": causal,
@@ -328,7 +329,8 @@ def _own_key_check(gm: fx.GraphModule, node: fx.Node, cap, info, write_order: Wr
     def operands(g: fx.Graph, env, ok: fx.Node):
         sides = {role: [_side_dense(g, env(s.node), layouts[s.node], ok) for s in cap.sides if s.role == role]
                  for role in ("q", "k")}
-        tables = [_table_input(g, env(t), view, device) for t, view in zip(cap.tables, cap.views)]
+        tables = [_boundaries_input(g, cap, t, _table_input(g, env(t), view, device))
+                  for t, view in zip(cap.tables, cap.views)]
         return sides["q"], sides["k"], tables
 
     key = register_score_mod(cap.score_mod, name="captured", kind="score")
@@ -402,6 +404,15 @@ def _table_input(g: fx.Graph, leaf: fx.Node, view: TableView | None, device=None
         what = f"{leaf.name} (a mask read from a buffer or tensor attribute, {node_site(leaf)})"
         y = g.call_function(CHECK_UNCHANGED, (y, digest(view.static), what))
     return y
+
+
+def _boundaries_input(g: fx.Graph, cap, leaf: fx.Node, table: fx.Node) -> fx.Node:
+    """``torch.bucketize`` passes no gradient to its boundaries: a parameter used as boundaries
+    enters the op detached (its ``.grad`` stays None, as in eager)."""
+    ex = example(leaf)
+    if leaf in cap.boundaries and isinstance(ex, torch.Tensor) and ex.requires_grad:
+        return g.call_method("detach", (table,))
+    return table
 
 
 def _from_bnhd(g: fx.Graph, out: fx.Node, node: fx.Node, layout: Token) -> fx.Node:

@@ -287,6 +287,8 @@ def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
         return combine_pointwise([(env.get(a), shape_of(a)) for a in tensors], nd)
     if op == "dropout":
         return lx if isinstance(lx, (Token, Flat, Pair)) else None
+    if op == "bucketize":  # pointwise in x; the boundaries (1-D) do not broadcast with it
+        return lx if isinstance(lx, (Token, Flat, Pair)) and in_shape is not None and len(in_shape) == nd else None
     if not isinstance(lx, (Token, Flat, Pair, TupleOf)) and op not in ("matmul", "einsum", "embedding", "getitem",
                                                                   "tril", "triu", "cat", "arange", "fused_attention"):
         return None

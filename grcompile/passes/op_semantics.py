@@ -97,6 +97,9 @@ _register("triu", torch.triu, methods=("triu",))
 _register("factory", torch.ones, torch.zeros, torch.full, torch.empty, torch.ones_like, torch.zeros_like,
           torch.full_like, torch.empty_like)
 _register("arange", torch.arange)
+# torch.bucketize(x, boundaries): pointwise in x (same shape), boundaries a 1-D sorted tensor
+# (there is no Tensor.bucketize method)
+_register("bucketize", torch.bucketize)
 
 
 # ops that draw random numbers, by name (functions and methods)

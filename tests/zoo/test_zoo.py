@@ -182,8 +182,8 @@ def test_dense_models_really_read_their_padding():
 
 # The Triton kernels (run by Triton's interpreter on CPU): each zoo model's captured score_mod is
 # generated into the attention kernel. Default run: the per-head tables, 0-d tables, bool masks
-# and time buckets; -m slow: every model.
-TRITON_DEFAULT = ["t5_bucket_bias", "hstu_onehot_einsum", "hstu_gather_holes", "negatives_rn"]
+# and time buckets (log-bucketed and torch.bucketize-d); -m slow: every model.
+TRITON_DEFAULT = ["t5_bucket_bias", "hstu_onehot_einsum", "hstu_gather_holes", "negatives_rn", "time_bucketize_bias"]
 
 
 def _exact_with_triton(name: str) -> None:

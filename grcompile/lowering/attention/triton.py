@@ -810,7 +810,26 @@ def _prepare(q, k, v, q_side, k_side, tables, *, score_mod, use_qk, activation, 
     # contiguous: the gradient buffers are, and a lookup's offset uses the table's strides for both
     all_tables = [t.contiguous() for t in tables] + [c.to(q.device).contiguous() for c in
                                                      (code.constants if code else [])]
+    _check_sorted(code, all_tables, len(tables))
     return q, k, v, module, code, all_tables
+
+
+def _check_sorted(code, all_tables: list[torch.Tensor], n_inputs: int) -> None:
+    """The kernels count a ``torch.bucketize``'s boundaries, which equals torch's binary search
+    only on sorted boundaries (torch requires them sorted and defines nothing else; a NaN among
+    them is unsorted): a call whose boundaries are not runs the reference, which calls torch."""
+    if code is None or not code.sorted_tables:
+        return
+    checked = [all_tables[i] for i in code.sorted_tables if all_tables[i].numel() > 1]
+    if not checked:
+        return
+    ok = torch.stack([(t[1:] >= t[:-1]).all() for t in checked])
+    if not bool(ok.all()):  # one synchronisation (the op's argument checks synchronise already)
+        bad = [i for i, good in zip((i for i in code.sorted_tables if all_tables[i].numel() > 1), ok.tolist())
+               if not good]
+        names = ", ".join(f"tables[{i}]" if i < n_inputs else "a constant of the score_mod" for i in bad)
+        raise TritonFallback(f"the boundaries of torch.bucketize ({names}) are not sorted (or hold NaN): torch "
+                             "defines buckets for sorted boundaries only, and the kernel counts boundaries")
 
 
 def _forward(q, k, v, offsets, positions, q_side, k_side, tables, seed, *, score_mod, use_qk, activation, scale,
@@ -993,12 +1012,19 @@ def _aot_time_bucket_per_head(score, q_pos, k_pos, head, q_side_0, k_side_0, tab
     return score + table_0[(bucket, head)]
 
 
+def _aot_bucketized_time_per_head(score, q_pos, k_pos, head, q_side_0, k_side_0, table_0, table_1):
+    """A bucketized time bias: the gap cut by ``torch.bucketize`` at 6 boundaries (compared one by
+    one, scalar loads), one table column per head."""
+    return score + table_1[(torch.bucketize((k_side_0 - q_side_0).abs(), table_0), head)]
+
+
 def aot_cases() -> dict[str, tuple]:
     """The score_mods of the AOT report, by model: ``(score_mod key, activation, use_qk, dropout,
     q_sides, k_sides, tables)`` — SASRec (none, softmax, dropout), HSTU (relative position +
     time-bucket tables, SiLU) on timestamps in seconds (the variant with int32 time gaps, see
-    :mod:`.side_ranges`) and in milliseconds (int64), FuXi-α's positional channel (no q·k) and a
-    zoo-style per-head time-bucket table. The sides' values choose the variant, as at a launch."""
+    :mod:`.side_ranges`) and in milliseconds (int64), FuXi-α's positional channel (no q·k), a
+    zoo-style per-head time-bucket table and a ``torch.bucketize``-d one (6 boundaries: a minute to
+    a week). The sides' values choose the variant, as at a launch."""
     from ..score_mod import hstu_rab_key, register_score_mod, relative_position_bias_key
     N, H = AOT_TOKENS, AOT_HEADS
     stamps = torch.tensor([1_700_000_000, 1_700_086_400])
@@ -1011,6 +1037,9 @@ def aot_cases() -> dict[str, tuple]:
         "fuxi_positional": (relative_position_bias_key(N), "identity", False, False, [], [], [torch.zeros(2 * N - 1)]),
         "time_bucket_per_head": (register_score_mod(_aot_time_bucket_per_head), "softmax", True, True,
                                  [stamps], [stamps], [torch.zeros(128, H)]),
+        "bucketize_per_head": (register_score_mod(_aot_bucketized_time_per_head), "softmax", True, True,
+                               [stamps], [stamps], [torch.tensor([60, 3600, 21600, 86400, 259200, 604800]),
+                                                    torch.zeros(7, H)]),
     }
 
 
@@ -1085,6 +1114,7 @@ def case_aot_config(case: tuple, kernel: str, arch: str, d: int, tile: Optional[
 # products on FMA, FP32_TILES) for HSTU and that SASRec, as the papers' configurations train
 AOT_REPORT = (("sasrec", 64, AOT_HEADS), ("hstu", 128, AOT_HEADS), ("hstu", 64, AOT_HEADS),
               ("hstu_ms", 128, AOT_HEADS), ("fuxi_positional", 64, AOT_HEADS), ("time_bucket_per_head", 64, AOT_HEADS),
+              ("bucketize_per_head", 64, AOT_HEADS),
               ("sasrec", 50, 1), ("hstu", 64, AOT_HEADS, torch.float32), ("sasrec", 50, 1, torch.float32))
 
 

@@ -494,3 +494,99 @@ def test_memory_counts_the_bias_ops_outputs(mxrec, monkeypatch):
     assert "the time-bias output would be a dense [1, B, 2S, 2S] = [1, 3, 16, 16] tensor of 3.0 KiB" in \
         OPS["jagged_attention"].fallbacks[key]
     assert mxrec.calls("relative_attn_bias_time") == []
+
+
+# --------------------------------------------------------------------------------------------
+# torch.bucketize in the score_mod: mxrec has no bucket op, so the bias is evaluated on the grid
+
+
+def bucketized_time_captured(score, q_pos, k_pos, head, q_side_0, k_side_0, k_side_1, table_0, table_1):
+    """What capture makes of ``F.silu(q @ kᵀ + table[bucketize(|Δt|, bounds)].permute(..)) / N *
+    tril * valid``: the boundaries are ``table_0``, the per-head table ``table_1``."""
+    rab = table_1[(torch.bucketize((q_side_0 - k_side_0).abs(), table_0, right=True), head)]
+    keep = torch.where(k_pos - q_pos <= 0, torch.full((), 1.0), 0) * k_side_1
+    return torch.nn.functional.silu(score + rab) / 8 * keep
+
+
+def bucketized_time_additive(score, q_pos, k_pos, head, q_side_0, k_side_0, table_0, table_1):
+    return score + table_1[(torch.bucketize((q_side_0 - k_side_0).abs(), table_0, out_int32=True), head)]
+
+
+@pytest.mark.parametrize("captured", [True, False], ids=["captured_identity", "additive_silu"])
+def test_bucketized_time_bias_is_a_dense_bias(mxrec, captured):
+    """The bucket (ties, NaN-free gaps beyond the last boundary) is computed by torch.bucketize on
+    the padded grid: mxrec gets the dense bias; values and the table's gradient equal the reference,
+    and the boundaries get none (0, as the reference's)."""
+    lengths = [8, 1, 0, 6]
+    q, k, v, offsets, positions, ts = batch(lengths, seed=21)
+    bounds = torch.tensor([10.0, 1000.0, 1000.0, 20_000.0, 60_000.0])  # a repeated boundary
+    ts = (ts // 1000 * 1000).float()  # gaps that equal boundaries
+    table = torch.randn(bounds.numel() + 1, H)
+    fn = bucketized_time_captured if captured else bucketized_time_additive
+    key = register_score_mod(fx.symbolic_trace(fn), name=fn.__name__)
+    for op in ("jagged_attention", "jagged_attention_backward"):
+        fresh(op, key)
+    k_side = [ts, torch.ones_like(ts)] if captured else [ts]
+    kw = dict(activation="identity", out_scale=0.5) if captured else dict(out_scale=0.5)
+    fwd, bwd = run_both(q, k, v, offsets, positions, [ts], k_side, [bounds, table], score_mod=key, **kw)
+    assert_same(fwd, bwd)
+    assert key not in OPS["jagged_attention"].fallbacks and key not in OPS["jagged_attention_backward"].fallbacks
+    check_hstu_call(mxrec.calls("hstu_jagged.equal")[0], offsets, mask_type=3 if captured else 0, silu_scale=0.5,
+                    mask=captured)
+    assert bwd[1][5][1].abs().sum() > 0 and torch.equal(bwd[1][5][0], torch.zeros_like(bounds))
+
+
+def test_bucketized_model_end_to_end(mxrec):
+    """An HSTU-style block whose time bias is ``per_head[bucketize(|Δt|, boundaries buffer)]``,
+    compiled with the Ascend kernels: the captured region runs on mxrec.hstu_jagged forward and
+    backward, with eager's values and every gradient (the bias table's included)."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import grcompile
+    from grcompile.lowering import set_backend
+
+    class BucketedHSTU(nn.Module):
+        def __init__(self, d=32, heads=2, vocab=40):
+            super().__init__()
+            self.h = heads
+            self.emb = nn.Embedding(vocab, d)
+            self.uvqk = nn.Linear(d, 4 * d)
+            self.register_buffer("bounds", torch.tensor([60.0, 3600.0, 86_400.0, 7 * 86_400.0]))
+            self.time_bias = nn.Parameter(torch.randn(5, heads) * 0.1)
+
+        def forward(self, ids, ts):
+            B, n = ids.shape
+            valid = ids != 0
+            u, v, q, k = (t.view(B, n, self.h, -1).transpose(1, 2) for t in self.uvqk(self.emb(ids)).chunk(4, -1))
+            dt = (ts[:, :, None] - ts[:, None, :]).abs()
+            rab = self.time_bias[torch.bucketize(dt, self.bounds)].permute(0, 3, 1, 2)  # [B, H, N, N]
+            mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
+            attn = F.silu(q @ k.transpose(-1, -2) + rab) / n * mask
+            return ((attn @ v) * u).transpose(1, 2).reshape(B, n, -1)
+
+    torch.manual_seed(0)
+    model = BucketedHSTU()
+    lengths = [0, 1, 12, 7, 4]
+    ids = torch.randint(1, 40, (5, 12))
+    for b, n in enumerate(lengths):
+        ids[b, n:] = 0
+    ts = torch.cumsum(torch.randint(0, 2 * 86_400, (5, 12)), 1).float()
+    valid = (ids != 0)[..., None]
+    try:
+        compiled = grcompile.optimize(model, lowering="eager", backend="ascend")
+        out = compiled(ids, ts)
+        torch.where(valid, out, 0).square().sum().backward()
+    finally:
+        set_backend(None)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    eager = model(ids, ts)
+    torch.where(valid, eager, 0).square().sum().backward()
+    torch.testing.assert_close(torch.where(valid, out, 0), torch.where(valid, eager, 0), rtol=1e-4, atol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+    assert grads["time_bias"].abs().sum() > 0
+    report = grcompile.report(compiled)
+    assert report.counters.get("fuse_attention.score_mod_attention") == 1, report.fallbacks
+    assert len(mxrec.calls("hstu_jagged.equal")) == 1 and len(mxrec.calls("hstu_jagged_backward.equal")) == 1

@@ -202,3 +202,54 @@ def test_floor_division_of_a_float_side_differentiates_to_zero(compiled, monkeyp
     for got, expected in zip((dq, dk, dv), want):
         torch.testing.assert_close(got, expected)
     assert not d_ts.any()
+
+
+def _bucketized(score, q_pos, k_pos, head, q_side_0, k_side_0, table_0, table_1, table_2):
+    """A float gap bucketized (right=True, int32 buckets) into a per-head table, and an int64 gap
+    against int64 boundaries used as a number."""
+    fgap = (q_side_0.float() - k_side_0.float()).abs()
+    rab = table_1[(torch.bucketize(fgap, table_0, right=True, out_int32=True), head)]
+    return score + rab - 0.1 * torch.bucketize(k_side_0 - q_side_0, table_2).float()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bucketize_score_mod_in_compiled_chunks(compiled, monkeypatch):
+    """torch.bucketize in a score_mod: the inductor-compiled chunk (inductor lowers bucketize to
+    its own search) gives the eager chunk's values and gradients — ties, repeated boundaries,
+    NaN-free gaps beyond the last boundary —, compiles without giving up, and the overflow proof
+    keeps it compiled (a bucket is in [0, K]; the int64 gap of measured timestamps fits)."""
+    import warnings
+
+    from grcompile.lowering.attention.overflow import overflow_reason
+    from grcompile.lowering.attention.reference import _attention_backward_reference, _attention_reference
+    monkeypatch.setattr(chunks, "_COMPILED_CHUNKS", {})
+    lengths = [9, 0, 1, 6]
+    T, H = sum(lengths), 2
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(T, H, 8, generator=g) for _ in range(3))
+    ts = torch.cumsum(torch.randint(0, 30, (T,), generator=g), 0) + 1_700_000_000
+    tables = [torch.tensor([1.0, 10.0, 10.0, 30.0, 100.0]), torch.randn(6, H, generator=g),
+              torch.tensor([-20, -5, 0, 5, 20])]
+    key = register_score_mod(_bucketized)
+    kwargs = dict(score_mod=key, use_qk=True, activation="softmax", scale=0.5, out_scale=1.0, causal=False,
+                  max_len=max(lengths))
+    args = (q, k, v, torch.tensor([0, 9, 9, 10, 16]), torch.cat([torch.arange(n) for n in lengths]), [ts], [ts],
+            tables, None)
+    assert overflow_reason(key, [ts], [ts], tables, max_len=9, heads=H) is None
+    grad = torch.randn(T, H, 8, generator=g)
+
+    def run(on: bool):
+        monkeypatch.setattr(chunks, "COMPILE_CHUNKS", on)
+        return _attention_reference(*args, **kwargs), _attention_backward_reference(grad, *args, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got_out, got = run(compiled)
+    ours = [str(w.message) for w in caught if "jagged_attention" in str(w.message)]
+    assert not ours, ours  # no fallback to the eager chunk, nothing run uncompiled
+    want_out, want = run(False)
+    torch.testing.assert_close(got_out, want_out)
+    for a, b in zip([*got[:3], got[5][1]], [*want[:3], want[5][1]]):
+        torch.testing.assert_close(a, b)
+    assert got[5][1].abs().sum() > 0 and not got[5][0].any() and not got[5][2].any()
+    if compiled:
+        assert chunks._COMPILED_CHUNKS and not any(c.failed for c in chunks._COMPILED_CHUNKS.values())
