@@ -53,8 +53,10 @@ def inline_checkpoints(gm: fx.GraphModule) -> tuple[int, list[tuple[fx.Node, str
                 inlined += 1
             else:
                 refused.append((call, why))
-    if inlined:
-        gm.graph.eliminate_dead_code()
+    if inlined:  # no dead-code elimination: it would drop an in-place op whose result is unused
+        for node in list(gm.graph.nodes):
+            if node.op == "get_attr" and not node.users and isinstance(getattr(gm, node.target, None), fx.GraphModule):
+                gm.graph.erase_node(node)  # an inlined body
         gm.graph.lint()
         gm.recompile()
     return inlined, refused
@@ -97,7 +99,7 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> str | None:
             else:
                 new = g.node_copy(node, env.__getitem__)
                 new.meta = dict(node.meta)
-                new.meta["recompute"] = (CheckpointPolicy.MUST_SAVE if is_random(node) or has_effects(node.target)
+                new.meta["recompute"] = (CheckpointPolicy.MUST_SAVE if _may_draw(node) or has_effects(node.target)
                                          else CheckpointPolicy.PREFER_RECOMPUTE)
                 new.meta["ac_graph_id"] = region
             if trace and not new.meta.get("stack_trace"):
@@ -112,6 +114,24 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> str | None:
         call.replace_all_uses_with(mapped)
     g.erase_node(call)
     return None
+
+
+_RANDOM_NAME_PARTS = ("dropout", "rand", "bernoulli", "gumbel", "rrelu", "normal", "uniform", "exponential",
+                      "multinomial", "poisson", "geometric", "cauchy")
+
+
+def _may_draw(node: fx.Node) -> bool:
+    """``node`` may draw random numbers: ``is_random``, any op whose name says so (``alpha_dropout``,
+    ``rrelu``, ``gumbel_softmax``, ``bernoulli_`` ...), or an SDPA with a dropout probability."""
+    if is_random(node):
+        return True
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    if any(part in name.lower() for part in _RANDOM_NAME_PARTS):
+        return True
+    if "scaled_dot_product_attention" in name:
+        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return False
 
 
 def _fresh_name(gm: fx.GraphModule, base: str) -> str:

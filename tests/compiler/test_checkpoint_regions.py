@@ -163,3 +163,25 @@ def test_nested_checkpoints_with_tuple_results() -> None:
                                   optimized=optimized)
     assert report.counters["capture.checkpoints_inlined"] == 2
     assert report.counters["jagged_rewrite.jagged_attention"] == 1
+
+
+class InPlaceBody(nn.Module):
+    """An in-place op inside the region whose result is not used: it still writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def body(self, h):
+        s = self.lin(h)
+        s.mul_(2.0)
+        return s
+
+    def forward(self, x):
+        return checkpoint_module.checkpoint(self.body, x, use_reentrant=False)
+
+
+def test_an_unused_in_place_write_in_the_region_is_kept() -> None:
+    torch.manual_seed(0)
+    model, x = InPlaceBody(), torch.randn(2, 3, 4)
+    torch.testing.assert_close(grcompile.optimize(model)(x), model(x))
