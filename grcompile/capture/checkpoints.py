@@ -73,6 +73,9 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> str | None:
         return "it has a selective-checkpoint policy (context_fn), which decides per op when AOTAutograd traces it"
     if call.kwargs.get("use_reentrant"):
         return "it uses the reentrant implementation"
+    if any(_library_attention_dropout(n) for n in body.graph.nodes):
+        # its dropout mask is drawn inside one op: tagged, that op's backward redrew it (wrong gradients)
+        return "it holds a library attention with dropout (SDPA / multi-head attention), whose mask must not be redrawn"
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
     operands = list(call.args[1:])
     if len(placeholders) != len(operands):
@@ -132,6 +135,17 @@ def _may_draw(node: fx.Node) -> bool:
         p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
         return not (isinstance(p, (int, float)) and p == 0)
     return False
+
+
+def _library_attention_dropout(node: fx.Node) -> bool:
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    if "scaled_dot_product_attention" in name:
+        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+    elif "multi_head_attention_forward" in name:
+        p = node.kwargs.get("dropout_p", node.args[11] if len(node.args) > 11 else 0.0)
+    else:
+        return False
+    return not (isinstance(p, (int, float)) and p == 0)
 
 
 def _fresh_name(gm: fx.GraphModule, base: str) -> str:
