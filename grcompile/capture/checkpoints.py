@@ -12,12 +12,15 @@ Emits: the body's nodes in place of the call, each tagged the way AOTAutograd ta
 region when it traces the call itself — ``meta["recompute"] = PREFER_RECOMPUTE`` and one
 ``meta["ac_graph_id"]`` per region, the fields the min-cut partitioner reads (both travel into the
 joint graph) — so the region's activations are still recomputed in the backward, not saved.
-Random ops (and ops with effects outside the graph) are tagged ``MUST_SAVE`` instead: recomputed,
-a dropout would draw a second mask (torch avoids that inside inductor by fixing each random op's
-seed first; grcompile's own lowerings do not).
+Ops that may draw random numbers (and ops with effects outside the graph) are tagged ``MUST_SAVE``
+instead: recomputed, a dropout would draw a second mask (torch avoids that inside inductor by
+fixing each random op's seed first; grcompile's own lowerings do not). A region holding an SDPA or
+multi-head attention with dropout stays closed: left unfused, that one op's backward redraws the
+mask it drew inside.
 Invariant: values and gradients unchanged — the body computes what the call computed; only which
-activations are saved changes, as the checkpoint asked. Ops the passes emit in the region's place
-carry no tag: the partitioner decides for them.
+activations are saved changes, as the checkpoint asked. The passes carry the tags onto what they
+emit in a tagged node's place (``pass_manager.carry_checkpoint_tags``); other new ops carry none
+and the partitioner decides for them.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..passes.op_semantics import is_random
+from ..passes.op_semantics import arg, is_random
 from ..lowering.semantics import has_effects
 
 __all__ = ["inline_checkpoints"]
@@ -123,26 +126,23 @@ _RANDOM_NAME_PARTS = ("dropout", "rand", "bernoulli", "gumbel", "rrelu", "normal
                       "multinomial", "poisson", "geometric", "cauchy")
 
 
+def _target_name(node: fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
 def _may_draw(node: fx.Node) -> bool:
-    """``node`` may draw random numbers: ``is_random``, any op whose name says so (``alpha_dropout``,
-    ``rrelu``, ``gumbel_softmax``, ``bernoulli_`` ...), or an SDPA with a dropout probability."""
-    if is_random(node):
-        return True
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    if any(part in name.lower() for part in _RANDOM_NAME_PARTS):
-        return True
-    if "scaled_dot_product_attention" in name:
-        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
-        return not (isinstance(p, (int, float)) and p == 0)
-    return False
+    """``node`` may draw random numbers: ``is_random``, or any op whose name says so
+    (``alpha_dropout``, ``rrelu``, ``gumbel_softmax``, ``bernoulli_`` ...)."""
+    return is_random(node) or any(part in _target_name(node).lower() for part in _RANDOM_NAME_PARTS)
 
 
 def _library_attention_dropout(node: fx.Node) -> bool:
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    """``node`` is an SDPA / ``multi_head_attention_forward`` whose dropout probability is not 0."""
+    name = _target_name(node)
     if "scaled_dot_product_attention" in name:
-        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        p = arg(node, 4, "dropout_p", 0.0)
     elif "multi_head_attention_forward" in name:
-        p = node.kwargs.get("dropout_p", node.args[11] if len(node.args) > 11 else 0.0)
+        p = arg(node, 11, "dropout_p", 0.0)
     else:
         return False
     return not (isinstance(p, (int, float)) and p == 0)
