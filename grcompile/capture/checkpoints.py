@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..passes.op_semantics import arg, is_random
+from ..passes.op_semantics import arg, may_draw_random
 from ..lowering.semantics import has_effects
 
 __all__ = ["inline_checkpoints"]
@@ -105,7 +105,7 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> str | None:
             else:
                 new = g.node_copy(node, env.__getitem__)
                 new.meta = dict(node.meta)
-                new.meta["recompute"] = (CheckpointPolicy.MUST_SAVE if _may_draw(node) or has_effects(node.target)
+                new.meta["recompute"] = (CheckpointPolicy.MUST_SAVE if may_draw_random(node) or has_effects(node.target)
                                          else CheckpointPolicy.PREFER_RECOMPUTE)
                 new.meta["ac_graph_id"] = region
             if trace and not new.meta.get("stack_trace"):
@@ -122,30 +122,20 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> str | None:
     return None
 
 
-_RANDOM_NAME_PARTS = ("dropout", "rand", "bernoulli", "gumbel", "rrelu", "normal", "uniform", "exponential",
-                      "multinomial", "poisson", "geometric", "cauchy")
-
-
 def _target_name(node: fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-
-
-def _may_draw(node: fx.Node) -> bool:
-    """``node`` may draw random numbers: ``is_random``, or any op whose name says so
-    (``alpha_dropout``, ``rrelu``, ``gumbel_softmax``, ``bernoulli_`` ...)."""
-    return is_random(node) or any(part in _target_name(node).lower() for part in _RANDOM_NAME_PARTS)
 
 
 def _library_attention_dropout(node: fx.Node) -> bool:
     """``node`` is an SDPA / ``multi_head_attention_forward`` whose dropout probability is not 0."""
     name = _target_name(node)
-    if "scaled_dot_product_attention" in name:
-        p = arg(node, 4, "dropout_p", 0.0)
-    elif "multi_head_attention_forward" in name:
-        p = arg(node, 11, "dropout_p", 0.0)
+    if "scaled_dot_product_attention" in name:  # (query, key, value, attn_mask, dropout_p, ...)
+        p, training = arg(node, 4, "dropout_p", 0.0), True
+    elif "multi_head_attention_forward" in name:  # (..., add_zero_attn, dropout_p, out_proj_weight, out_proj_bias, training, ...)
+        p, training = arg(node, 10, "dropout_p", 0.0), arg(node, 13, "training", True)
     else:
         return False
-    return not (isinstance(p, (int, float)) and p == 0)
+    return training is not False and not (isinstance(p, (int, float)) and p == 0)
 
 
 def _fresh_name(gm: fx.GraphModule, base: str) -> str:

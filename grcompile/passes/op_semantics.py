@@ -113,6 +113,18 @@ def is_random(node: fx.Node) -> bool:
     return name in RANDOM_OPS or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
+_RANDOM_NAME_PARTS = ("dropout", "rand", "bernoulli", "gumbel", "rrelu", "normal", "uniform", "exponential",
+                      "multinomial", "poisson", "geometric", "cauchy")
+
+
+def may_draw_random(node: fx.Node) -> bool:
+    """``node`` may draw random numbers: ``is_random``, or any op whose name says so
+    (``alpha_dropout``, ``rrelu``, ``gumbel_softmax``, ``bernoulli_`` ...) — the cautious test, for
+    deciding what must never be recomputed."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    return is_random(node) or any(part in name.lower() for part in _RANDOM_NAME_PARTS)
+
+
 # library ops matched by their qualified name, so that nothing here imports the library
 _LIBRARY: dict[str, str] = {
     "fbgemm::jagged_to_padded_dense": "jagged_to_padded_dense",  # (values, [offsets], [max_len], pad)

@@ -22,10 +22,12 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ..lowering.semantics import has_effects
 from ..lowering.source_site import node_site
+from .op_semantics import may_draw_random
 
 __all__ = ["GraphPass", "PassContext", "PassResult", "copy_graph", "graph_break", "node_site", "pass_name",
-           "run_pipeline", "substitute"]
+           "join_checkpoint_regions", "run_pipeline", "substitute"]
 
 
 def ends_at_return(gm: fx.GraphModule) -> bool:
@@ -187,6 +189,30 @@ def carry_checkpoint_tags(source: fx.Node, new: fx.Node, save: bool = False) -> 
         new.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
+def join_checkpoint_regions(graph: fx.Graph, old: set[fx.Node]) -> int:
+    """Tag the nodes a pass emitted *inside* one checkpoint region as that region's: read only by
+    the region's nodes and reading nothing from another region. Untagged, the partitioner would be
+    free to save them (an expanded ``nn.MultiheadAttention`` kept 3x the activations the checkpoint
+    kept). Random and effectful ops are saved, as the region's own are. Returns how many joined."""
+    if not any("ac_graph_id" in n.meta for n in graph.nodes):
+        return 0
+    joined = 0
+    for node in reversed(graph.nodes):  # readers first: a chain of new nodes joins in one sweep
+        if node in old or node.op not in ("call_function", "call_method") or "ac_graph_id" in node.meta:
+            continue
+        regions = {u.meta.get("ac_graph_id") for u in node.users}
+        if len(regions) != 1 or None in regions:
+            continue
+        (region,) = regions
+        if any(a.meta.get("ac_graph_id", region) != region for a in node.all_input_nodes):
+            continue
+        node.meta["ac_graph_id"] = region
+        node.meta["recompute"] = (CheckpointPolicy.MUST_SAVE if may_draw_random(node) or has_effects(node.target)
+                                  else CheckpointPolicy.PREFER_RECOMPUTE)
+        joined += 1
+    return joined
+
+
 def substitute(graph: fx.Graph, fused: fx.Node, replaced: fx.Node, source: fx.Node) -> None:
     """Put ``fused`` (already inserted) in place of ``replaced`` — the last node of a matched chain
     that starts at ``source`` (``replaced`` itself or its user) — and erase both. ``fused`` keeps
@@ -216,9 +242,12 @@ def run_pipeline(gm: fx.GraphModule, passes: Sequence[GraphPass], ctx: PassConte
         n_rewrites, saved_counters = len(ctx.rewrites), Counter(ctx.counters)
         n_fallbacks = len(ctx.fallbacks)
         nodes_before = len(gm.graph.nodes)
+        old_nodes = set(gm.graph.nodes)
         error: str | None = None
         try:
             graph_pass(gm, ctx)
+            if joined := join_checkpoint_regions(gm.graph, old_nodes):
+                ctx.counters["passes.checkpoint_region_joined"] += joined
             gm.graph.lint()
             gm.recompile()
         except Exception as exc:  # noqa: BLE001 - any failure means "leave the graph alone"

@@ -35,13 +35,17 @@ class CheckpointedBlock(nn.Module):
         self.item = nn.Embedding(V, D, padding_idx=0)
         self.qkv = nn.Linear(D, 3 * D)
         self.out = nn.Linear(D, D)
+        self.mha = nn.MultiheadAttention(D, 2, dropout=dropout, batch_first=True)
 
     def block(self, h, valid):
         q, k, v = self.qkv(h).chunk(3, -1)
         n = h.shape[1]
         allowed = torch.tril(torch.ones(n, n, dtype=torch.bool, device=h.device)) & valid[:, None, :]
         # -1e9, not -inf: eager's gradients stay finite on an empty row (every logit masked)
-        if self.spelling == "sdpa":
+        if self.spelling == "mha":  # a padded query row attends to itself: no row is empty
+            blocked = ~(allowed | torch.eye(n, dtype=torch.bool, device=h.device))
+            a = self.mha(h, h, h, attn_mask=blocked.repeat_interleave(2, 0), need_weights=False)[0]
+        elif self.spelling == "sdpa":
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.where(allowed, 0.0, -1e9).to(q.dtype))
         else:
             s = (q @ k.transpose(-1, -2) / D ** 0.5).masked_fill(~allowed, -1e9)
@@ -92,15 +96,19 @@ def _saved_bytes(fn, *args) -> int:
     return total
 
 
-def test_checkpointed_region_is_still_recomputed() -> None:
-    """The opened region keeps the checkpoint's recompute tags through the passes: the optimized
-    model saves less for the backward with the checkpoint than without it."""
+@pytest.mark.parametrize("spelling,lowering", [("explicit", "inductor"), ("explicit", "eager"), ("mha", "inductor")])
+def test_checkpointed_region_is_still_recomputed(spelling, lowering) -> None:
+    """The opened region keeps the checkpoint's recompute tags through the passes — on what they
+    emit in its place too (an expanded ``nn.MultiheadAttention``), and under the eager lowering
+    (the graph is partitioned for it): the optimized model saves less for the backward with the
+    checkpoint than without it."""
     torch.manual_seed(0)
-    ids = make_ids([N] * 6 + [3, 0], seed=1, n=N)
+    ids = make_ids([N] * 6 + [3, 1], seed=1, n=N)
     saved = {}
     for mode in ("none", "plain"):
-        model = CheckpointedBlock(mode=mode)
-        fast = grcompile.optimize(model)
+        torch._dynamo.reset()
+        model = CheckpointedBlock(spelling, mode=mode)
+        fast = grcompile.optimize(model, lowering=lowering)
         fast(ids)
         saved[mode] = _saved_bytes(fast, ids)
         assert grcompile.report(fast).counters.get("fuse_attention.score_mod_attention", 0) >= 1
@@ -122,10 +130,30 @@ def test_dropout_in_a_checkpointed_region_draws_once(options) -> None:
         torch.manual_seed(1)
         loss = (fast(ids) * (ids != 0)[..., None]).pow(2).sum()
         loss.backward()
-        grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         assert grcompile.report(fast).counters.get("fuse_attention.score_mod_attention", 0) >= 1
+    assert grads["plain"].keys() == grads["none"].keys()
     for name, g in grads["none"].items():
         torch.testing.assert_close(grads["plain"][name], g, msg=lambda s: f"{name}: {s}")
+
+
+def test_library_attention_with_dropout_keeps_its_region_closed_in_training_only() -> None:
+    """An ``nn.MultiheadAttention`` with dropout draws its mask inside one op: opened and left
+    unfused, its backward would draw it again, so the region stays closed, with a reason. In eval
+    its dropout is off: the region opens, and the model is exact."""
+    torch.manual_seed(0)
+    model = CheckpointedBlock("mha", dropout=0.3).double()
+    fast = grcompile.optimize(model.train())
+    fast(make_ids(LENGTHS[0], seed=3))
+    report = grcompile.report(fast)
+    assert report.counters.get("capture.checkpoints_inlined", 0) == 0
+    assert any(f["pass"] == "capture" and "library attention with dropout" in f["reason"] for f in report.fallbacks)
+    torch._dynamo.reset()
+    optimized = None
+    for lengths in LENGTHS:
+        optimized, report = check(model, (make_ids(lengths, seed=4),), tokens(lambda i: i != 0), train=False,
+                                  lowering="inductor", optimized=optimized)
+    assert report.counters["capture.checkpoints_inlined"] >= 1
 
 
 def test_selective_checkpoint_stays_closed_with_a_reason() -> None:
