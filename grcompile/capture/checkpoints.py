@@ -12,15 +12,15 @@ Emits: the body's nodes in place of the call, each tagged the way AOTAutograd ta
 region when it traces the call itself — ``meta["recompute"] = PREFER_RECOMPUTE`` and one
 ``meta["ac_graph_id"]`` per region, the fields the min-cut partitioner reads (both travel into the
 joint graph) — so the region's activations are still recomputed in the backward, not saved.
-Ops that may draw random numbers (and ops with effects outside the graph) are tagged ``MUST_SAVE``
-instead: recomputed, a dropout would draw a second mask (torch avoids that inside inductor by
-fixing each random op's seed first; grcompile's own lowerings do not). A region holding an SDPA or
-multi-head attention with dropout stays closed: left unfused, that one op's backward redraws the
-mask it drew inside.
+Random ops are recomputed too, as in eager's checkpoint: AOTAutograd replays a region's aten
+random draws from the forward's RNG state; ops torch cannot replay (a custom op that may draw,
+an op with effects outside the graph) are tagged ``MUST_SAVE`` (``pass_manager.region_policy``).
+A region holding an SDPA or multi-head attention with dropout stays closed: left unfused, that
+one op's backward redraws the mask it drew inside.
 Invariant: values and gradients unchanged — the body computes what the call computed; only which
 activations are saved changes, as the checkpoint asked. The passes carry the tags onto what they
-emit in a tagged node's place (``pass_manager.carry_checkpoint_tags``); other new ops carry none
-and the partitioner decides for them.
+emit in a tagged node's place (``pass_manager.carry_checkpoint_tags``), and the new nodes that
+sit inside one region join it (``pass_manager.join_checkpoint_regions``).
 """
 from __future__ import annotations
 
@@ -29,10 +29,9 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.utils.checkpoint import CheckpointPolicy
 
-from ..passes.op_semantics import arg, may_draw_random
-from ..lowering.semantics import has_effects
+from ..passes.op_semantics import arg
+from ..passes.pass_manager import region_policy
 
 __all__ = ["inline_checkpoints"]
 
@@ -105,8 +104,7 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> str | None:
             else:
                 new = g.node_copy(node, env.__getitem__)
                 new.meta = dict(node.meta)
-                new.meta["recompute"] = (CheckpointPolicy.MUST_SAVE if may_draw_random(node) or has_effects(node.target)
-                                         else CheckpointPolicy.PREFER_RECOMPUTE)
+                new.meta["recompute"] = region_policy(node)
                 new.meta["ac_graph_id"] = region
             if trace and not new.meta.get("stack_trace"):
                 new.meta["stack_trace"] = trace  # the body's ops lack one: name the checkpoint call

@@ -177,6 +177,30 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
 CHECKPOINT_META = ("recompute", "ac_graph_id")
 
 
+def region_policy(node: fx.Node) -> CheckpointPolicy:
+    """How ``node``, inside a checkpointed region, is tagged: recomputed in the backward, unless the
+    recomputation could differ from the forward — an op with effects outside the graph, or one that
+    may draw random numbers where torch cannot replay them. AOTAutograd replays the draws of a
+    region's aten random ops (``functionalize_rng_ops``: the forward's RNG state is saved, the
+    recomputation runs from it), so a torch dropout is recomputed, mask and all, as eager's
+    checkpoint does; an op of another library (a custom op) draws where it cannot see, and is saved."""
+    if has_effects(node.target) or (may_draw_random(node) and not _torch_op(node)):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _torch_op(node: fx.Node) -> bool:
+    """``node`` is a torch function, a Tensor method or an aten / prims op: one that AOTAutograd
+    traces into aten ops."""
+    target = node.target
+    if node.op == "call_method":
+        return True
+    namespace = getattr(target, "namespace", None)  # an OpOverload(Packet)
+    if namespace is not None:
+        return namespace in ("aten", "prims")
+    return (getattr(target, "__module__", None) or "").split(".")[0] == "torch"
+
+
 def carry_checkpoint_tags(source: fx.Node, new: fx.Node, save: bool = False) -> None:
     """``new``, emitted in place of ``source``, joins ``source``'s checkpoint region, if any
     (``save``: as a value the backward must not recompute: a random draw)."""
@@ -193,7 +217,7 @@ def join_checkpoint_regions(graph: fx.Graph, old: set[fx.Node]) -> int:
     """Tag the nodes a pass emitted *inside* one checkpoint region as that region's: read only by
     the region's nodes and reading nothing from another region. Untagged, the partitioner would be
     free to save them (an expanded ``nn.MultiheadAttention`` kept 3x the activations the checkpoint
-    kept). Random and effectful ops are saved, as the region's own are. Returns how many joined."""
+    kept). Tagged by :func:`region_policy`, as the region's own nodes are. Returns how many joined."""
     if not any("ac_graph_id" in n.meta for n in graph.nodes):
         return 0
     joined = 0
@@ -207,8 +231,7 @@ def join_checkpoint_regions(graph: fx.Graph, old: set[fx.Node]) -> int:
         if any(a.meta.get("ac_graph_id", region) != region for a in node.all_input_nodes):
             continue
         node.meta["ac_graph_id"] = region
-        node.meta["recompute"] = (CheckpointPolicy.MUST_SAVE if may_draw_random(node) or has_effects(node.target)
-                                  else CheckpointPolicy.PREFER_RECOMPUTE)
+        node.meta["recompute"] = region_policy(node)
         joined += 1
     return joined
 

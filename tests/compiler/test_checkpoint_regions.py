@@ -51,7 +51,7 @@ class CheckpointedBlock(nn.Module):
             s = (q @ k.transpose(-1, -2) / D ** 0.5).masked_fill(~allowed, -1e9)
             w = F.dropout(torch.softmax(s, -1), self.dropout, self.training)
             a = w @ v
-        return self.out(a) * valid[..., None]
+        return F.dropout(self.out(a), self.dropout, self.training) * valid[..., None]
 
     def forward(self, ids):
         valid = ids != 0
@@ -85,11 +85,14 @@ def test_checkpointed_attention_is_fused_and_exact(spelling) -> None:
 
 
 def _saved_bytes(fn, *args) -> int:
+    """Bytes saved for the backward, without a replayed draw's CPU generator state (a 5 KB byte
+    tensor per random op, whatever the activations' size: it dwarfs these tiny ones)."""
     total = 0
 
     def pack(t):
         nonlocal total
-        total += t.numel() * t.element_size()
+        if not (t.dtype == torch.uint8 and t.dim() == 1 and t.numel() == torch.get_rng_state().numel()):
+            total += t.numel() * t.element_size()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(*args)
@@ -115,15 +118,17 @@ def test_checkpointed_region_is_still_recomputed(spelling, lowering) -> None:
     assert saved["plain"] < 0.6 * saved["none"], saved
 
 
-@pytest.mark.parametrize("options", [{}, {"lowering": "eager", "remat": True}], ids=["inductor", "eager-remat"])
+@pytest.mark.parametrize("options", [{}, {"lowering": "eager"}, {"lowering": "eager", "remat": True}],
+                         ids=["inductor", "eager", "eager-remat"])
 def test_dropout_in_a_checkpointed_region_draws_once(options) -> None:
-    """Attention dropout inside the region: the optimized checkpointed model's gradients equal the
-    optimized model's without the checkpoint, same seed — a mask drawn again in the backward
-    would differ (inductor fixes each random op's seed before partitioning; the eager lowering's
-    partitioner does not)."""
+    """Attention dropout (fused: its seed is saved) and an output dropout (recomputed: AOTAutograd
+    replays its draw) inside the region: the optimized checkpointed model's gradients equal the
+    optimized model's without the checkpoint, same seed — a mask drawn again in the backward would
+    differ. The dropout does not cost the checkpoint its saving."""
     ids = make_ids([0, 1, N, 5], seed=2)
-    grads = {}
+    grads, saved = {}, {}
     for mode in ("none", "plain"):
+        torch._dynamo.reset()
         torch.manual_seed(0)
         model = CheckpointedBlock(mode=mode, dropout=0.3).double().train()
         fast = grcompile.optimize(model, **options)
@@ -132,9 +137,35 @@ def test_dropout_in_a_checkpointed_region_draws_once(options) -> None:
         loss.backward()
         grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         assert grcompile.report(fast).counters.get("fuse_attention.score_mod_attention", 0) >= 1
+        saved[mode] = _saved_bytes(fast, ids)
     assert grads["plain"].keys() == grads["none"].keys()
     for name, g in grads["none"].items():
         torch.testing.assert_close(grads["plain"][name], g, msg=lambda s: f"{name}: {s}")
+    assert saved["plain"] < 0.6 * saved["none"], saved
+
+
+def test_region_policy_saves_only_what_torch_cannot_replay() -> None:
+    """torch's random ops are recomputed (AOTAutograd replays their draws); a custom op that may
+    draw, or one with effects, is saved."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from grcompile.passes.pass_manager import region_policy
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    torch_dropout = g.call_function(F.dropout, (x, 0.3, True))
+    method = g.call_method("bernoulli_", (x, 0.5))
+    aten = g.call_function(torch.ops.aten.native_dropout.default, (x, 0.3, True))
+    custom = g.call_function(torch.ops.grcompile_test_rng.noisy_dropout.default, (x,))
+    plain = g.call_function(torch.relu, (x,))
+    recompute, save = CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE
+    assert [region_policy(n) for n in (torch_dropout, method, aten, plain)] == [recompute] * 4
+    assert region_policy(custom) == save
+
+
+@torch.library.custom_op("grcompile_test_rng::noisy_dropout", mutates_args=())
+def _noisy_dropout(x: torch.Tensor) -> torch.Tensor:
+    return x * (torch.rand_like(x) > 0.5)
 
 
 def test_library_attention_with_dropout_keeps_its_region_closed_in_training_only() -> None:
