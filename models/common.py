@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 
@@ -38,6 +39,14 @@ class SequentialEncoder(nn.Module):
             category = 1 + (items * 2654435761) % C
             self.register_buffer("item_category", torch.where(items == config.pad_id, config.pad_id, category),
                                  persistent=False)
+
+    def run_block(self, block: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+        """``block(*args)``; in training with ``config.checkpoint_blocks``, under
+        ``torch.utils.checkpoint`` (the block's activations are recomputed in the backward, as
+        users fit long sequences)."""
+        if self.config.checkpoint_blocks and self.training and torch.is_grad_enabled():
+            return checkpoint(block, *args, use_reentrant=False)
+        return block(*args)
 
     def forward(self, ids: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
         B, N = ids.shape

@@ -19,6 +19,7 @@ class ModelConfig:
     ffn_dim: int = 0  # FuXi SwiGLU / SASRec FFN hidden width; 0 = embedding_dim
     pad_id: int = 0
     num_categories: int = 0  # > 0: a second sparse feature, the item's category (side information)
+    checkpoint_blocks: bool = False  # training runs each block under torch.utils.checkpoint
 
     def __post_init__(self) -> None:
         if self.ffn_dim == 0:

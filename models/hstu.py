@@ -47,5 +47,5 @@ class HSTU(SequentialEncoder):
 
     def encode(self, x: torch.Tensor, valid: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = block(x, valid, timestamps)
+            x = self.run_block(block, x, valid, timestamps)
         return x

@@ -56,5 +56,5 @@ class SASRec(SequentialEncoder):
 
     def encode(self, x: torch.Tensor, valid: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = block(x, valid)
+            x = self.run_block(block, x, valid)
         return self.final_norm(x)

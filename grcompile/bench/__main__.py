@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pipeline", choices=("default", "attention", "jagged"), default="default",
                    help="grcompile's pass pipeline (default: grcompile.passes.default_pipeline(), the jagged one)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--checkpoint-blocks", action="store_true",
+                   help="the built-in models train each block under torch.utils.checkpoint (every mode)")
     p.add_argument("--remat", nargs="?", const="selective", default=None, type=_remat_option, metavar="BUDGET",
                    help="grcompile mode: activation rematerialisation; alone: the per-block selective policy "
                         "(optimize(remat=True)); with a fraction in (0, 1): AOTAutograd's partitioner budget instead")
@@ -87,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.model_spec is not None:
         if args.preset is not None:
             p.error(f"--preset applies to the built-in models, not to {args.model!r}")
+        if args.checkpoint_blocks:
+            p.error(f"--checkpoint-blocks applies to the built-in models; {args.model!r} checkpoints as it is written")
         if args.max_len is None:
             args.max_len = _factory_default_max_len(p, args.model)
     elif args.model not in PRESETS:
@@ -286,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                   num_users=args.num_users, num_items=args.num_items, num_negatives=args.num_negatives,
                   dropout=args.dropout, pipeline=args.pipeline, device=args.device, dataset="synthetic",
                   model_spec=args.model_spec, aot=args.aot, precision=args.precision, remat=args.remat,
+                  checkpoint_blocks=args.checkpoint_blocks,
                   fp8_skip=[p for p in args.fp8_skip.split(',') if p])
     if args.model_spec is not None:  # the user's make_batch makes the data; these do not apply
         config.update(num_users=None, num_negatives=None, dataset=f"{args.model_spec} make_batch")

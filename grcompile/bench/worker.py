@@ -34,7 +34,7 @@ PRECISIONS = ("fp32", "bf16", "fp8")
 DEFAULTS: dict[str, Any] = dict(model="hstu", preset="small", max_len=1024, batch_size=32, steps=5, warmup=2,
                                 seed=0, threads=None, num_users=None, num_items=None, num_negatives=128,
                                 dropout=None, lr=1e-3, temperature=0.05, device="cpu", mode="eager",
-                                result_path=None, aot=True, precision="fp32", remat=None)
+                                result_path=None, aot=True, precision="fp32", remat=None, checkpoint_blocks=False)
 
 
 def log(msg: str) -> None:
@@ -149,7 +149,8 @@ def builtin_workload(cfg: dict[str, Any], device: Any, total_steps: int) -> Work
     data, num_items = batches(cfg, total_steps)
     data = [{k: v.to(device) for k, v in b.items()} for b in data]
     torch.manual_seed(int(cfg["seed"]))
-    encoder = build_encoder(cfg["model"], cfg["preset"], num_items, max_len=cfg["max_len"], dropout=cfg["dropout"])
+    encoder = build_encoder(cfg["model"], cfg["preset"], num_items, max_len=cfg["max_len"], dropout=cfg["dropout"],
+                            checkpoint_blocks=cfg["checkpoint_blocks"] or None)
     task = SampledSoftmaxRetrieval(encoder, temperature=cfg["temperature"]).to(device)
     lengths = [valid_lengths(b["ids"].cpu(), encoder.config.pad_id) for b in data]
     return Workload(task, [(b["ids"], b["timestamps"], b["negatives"]) for b in data], [sum(ls) for ls in lengths],

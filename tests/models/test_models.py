@@ -132,3 +132,25 @@ def test_per_position_negatives_match_naive_gather():
     per = -F.log_softmax(torch.cat([pos, negl], -1) / 0.05, -1)[..., 0]
     valid = (ids[:, :-1] != 0) & (targets != 0)
     torch.testing.assert_close(loss, (per * valid).sum() / valid.sum())
+
+
+@pytest.mark.parametrize("model", ["hstu", "fuxi", "sasrec"])
+def test_checkpoint_blocks_changes_no_value(model: str) -> None:
+    """``checkpoint_blocks``: the same outputs and gradients (dropout on, same seed: the
+    checkpoint replays the draws), in training only."""
+    results = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        encoder = build_encoder(model, "ml1m", 30, max_len=12, dropout=0.2, checkpoint_blocks=checkpointed).train()
+        ids = torch.randint(1, 31, (3, 12))
+        ids[0, 5:] = 0
+        timestamps = torch.cumsum(torch.randint(0, 50, (3, 12)), 1) * (ids != 0)
+        torch.manual_seed(1)
+        out = encoder(ids, timestamps)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), {n: p.grad for n, p in encoder.named_parameters() if p.grad is not None}))
+    (out, grads), (out_ck, grads_ck) = results
+    torch.testing.assert_close(out_ck, out)
+    assert grads_ck.keys() == grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_ck[name], g, msg=lambda s: f"{name}: {s}")
