@@ -21,13 +21,14 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from .checkpoints import inline_checkpoints
+from .checkpoints import inline_checkpoints, save_random_draws
 from .dump import describe_inputs, emit_artifact, write_dump, write_score_mods
 from ..lowering.checks import pin_checks
 from .failures import describe_error
 from .guarded import GuardedGraph
 from ..passes.pass_manager import (GraphPass, PassContext, PassResult, copy_graph, graph_break, node_site, pass_name,
                                    run_pipeline)
+from ..passes.op_semantics import may_draw_random
 from .report import Report
 from .shapes import ShapePolicy
 
@@ -183,6 +184,18 @@ class GrcompileBackend:
     def _remat_patch(self) -> dict[str, Any]:
         return {} if self.state.remat_budget is None else {"activation_memory_budget": self.state.remat_budget}
 
+    def _save_draws_under_budget(self, gm: fx.GraphModule) -> bool:
+        """Under a remat budget, the random draws outside checkpointed regions are saved, never
+        recomputed (:func:`save_random_draws`); True when ``gm`` has any. Inductor must then run
+        random ops as aten ops (``fallback_random``): its own random kernels, seeded in the joint
+        graph, were recomputed with a fresh draw too (wrong gradients with ``remat=0.3``); a
+        checkpointed region's draws are replayed from aten's RNG state either way."""
+        if self.state.remat_budget is None:
+            return False
+        saved = save_random_draws(gm)
+        self.state.counters["capture.random_draws_saved"] += saved
+        return any(n.op in ("call_function", "call_method") and may_draw_random(n) for n in gm.graph.nodes)
+
     def _remat_eagerly(self, k: int, region: str, gm: fx.GraphModule,
                        example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """``lowering="eager"`` with ``remat`` or an opened checkpoint region: AOTAutograd splits the graph into forward and
@@ -194,6 +207,7 @@ class GrcompileBackend:
 
         split = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=min_cut_rematerialization_partition,
                              keep_inference_input_mutations=True)
+        self._save_draws_under_budget(gm)
         try:
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True, **self._remat_patch()):
                 return split(gm, list(example_inputs))
@@ -224,7 +238,8 @@ class GrcompileBackend:
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True, **self._remat_patch(),
                                                **({"enable_autograd_cache": False} if forced else {})):
                 from .lowering_config import inductor_config  # scoped to this compile (and its backward)
-                patches = {**inductor_config(), **({"fx_graph_cache": False} if forced else {})}
+                patches = {**inductor_config(), **({"fx_graph_cache": False} if forced else {}),
+                           **({"fallback_random": True} if self._save_draws_under_budget(gm) else {})}
                 return compile_fx(gm, list(example_inputs), config_patches=patches)
 
         pin_checks(gm)  # index checks run before any kernel reads the index

@@ -30,10 +30,12 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..passes.op_semantics import arg
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ..passes.op_semantics import arg, may_draw_random
 from ..passes.pass_manager import region_policy
 
-__all__ = ["inline_checkpoints"]
+__all__ = ["inline_checkpoints", "save_random_draws"]
 
 _REGION_IDS = itertools.count(1 << 20)  # apart from the ids AOTAutograd gives the regions it tags itself
 
@@ -62,6 +64,20 @@ def inline_checkpoints(gm: fx.GraphModule) -> tuple[int, list[tuple[fx.Node, str
         gm.graph.lint()
         gm.recompile()
     return inlined, refused
+
+
+def save_random_draws(gm: fx.GraphModule) -> int:
+    """Tag ``MUST_SAVE`` every op outside a checkpointed region that may draw random numbers;
+    returns how many. For ``optimize(remat=<budget>)``: AOTAutograd's memory-budget solver may
+    recompute even the ops its min-cut bans, random ones among them, and a dropout recomputed
+    outside a region draws a second mask (wrong gradients under both lowerings, 2026-11-29). A
+    region's draws are replayed instead (:func:`pass_manager.region_policy`)."""
+    tagged = 0
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method") and "recompute" not in node.meta and may_draw_random(node):
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            tagged += 1
+    return tagged
 
 
 def _inline(gm: fx.GraphModule, call: fx.Node) -> str | None:

@@ -104,6 +104,41 @@ def test_remat_with_dropout_keeps_the_random_stream():
                                    rtol=1e-4, atol=1e-5)
 
 
+class _TwoDropouts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = F.dropout(F.gelu(self.a(x)), 0.3, self.training)
+        h = F.dropout(torch.tanh(self.b(h)), 0.3, self.training)
+        return self.c(h)
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_remat_budget_never_redraws_a_dropout(lowering):
+    """``remat=<budget>``: AOTAutograd's budget solver may recompute the ops its min-cut bans,
+    random ones among them — a dropout recomputed in the backward drew a second mask (gradients
+    off by up to 6). Random draws are saved under a budget, and inductor runs them as aten ops:
+    values and gradients are exactly eager's, same seed."""
+    x = torch.randn(4, 8, 8, dtype=torch.float64)
+    results = {}
+    for mode in ("eager", "optimized"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _TwoDropouts().double().train()
+        run = model if mode == "eager" else grcompile.optimize(model, lowering=lowering, remat=0.3)
+        torch.manual_seed(1)
+        out = run(x)
+        out.pow(2).sum().backward()
+        results[mode] = (out.detach(), {n: p.grad for n, p in model.named_parameters()})
+        if mode == "optimized":
+            assert grcompile.report(run).counters.get("capture.random_draws_saved", 0) >= 2
+    torch.testing.assert_close(results["optimized"][0], results["eager"][0])
+    for name, g in results["eager"][1].items():
+        torch.testing.assert_close(results["optimized"][1][name], g, msg=lambda s: f"{name}: {s}")
+
+
 class _Block(nn.Module):
     """An HSTU-shaped block plus a feed-forward and a training-mode dropout: what is tagged."""
 
