@@ -165,9 +165,11 @@ class GrcompileBackend:
         if state.dump_dir is not None:
             write_score_mods(state.dump_dir, k, gm)
         if state.lowering == "eager":
-            # an opened checkpoint region asks for recomputation: only a partitioned graph gives it
-            split = self._remat_on() or inlined > 0
-            compiled = self._remat_eagerly(k, region, gm, example_inputs) if split else gm.forward
+            # not split for an opened checkpoint region alone: AOTAutograd's nop-compiled backward
+            # crashes on some graphs eager runs (a BatchNorm on a transposed input: a view of a
+            # non-contiguous gradient, torch.compile(backend="aot_eager") too), so the regions'
+            # activations are saved; remat, or the inductor lowering, recomputes them
+            compiled = self._remat_eagerly(k, region, gm, example_inputs) if self._remat_on() else gm.forward
         else:
             compiled, transformed = self._lower(k, region, gm, captured, example_inputs)
             if not transformed:  # the graph as captured runs: no pass's check applies
@@ -198,7 +200,7 @@ class GrcompileBackend:
 
     def _remat_eagerly(self, k: int, region: str, gm: fx.GraphModule,
                        example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        """``lowering="eager"`` with ``remat`` or an opened checkpoint region: AOTAutograd splits the graph into forward and
+        """``lowering="eager"`` with ``remat``: AOTAutograd splits the graph into forward and
         backward with the min-cut partitioner (which reads the recompute tags and the budget) and
         both run as the graphs they are, without inductor. If AOTAutograd cannot trace the graph,
         it runs as is, and the report says that rematerialisation is off for it."""

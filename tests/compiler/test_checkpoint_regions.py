@@ -99,19 +99,20 @@ def _saved_bytes(fn, *args) -> int:
     return total
 
 
-@pytest.mark.parametrize("spelling,lowering", [("explicit", "inductor"), ("explicit", "eager"), ("mha", "inductor")])
+@pytest.mark.parametrize("spelling,lowering", [("explicit", "inductor"), ("explicit", "eager-remat"), ("mha", "inductor")])
 def test_checkpointed_region_is_still_recomputed(spelling, lowering) -> None:
     """The opened region keeps the checkpoint's recompute tags through the passes — on what they
     emit in its place too (an expanded ``nn.MultiheadAttention``), and under the eager lowering
-    (the graph is partitioned for it): the optimized model saves less for the backward with the
-    checkpoint than without it."""
+    with remat (the graph is partitioned; without remat it is not, see backend.py): the optimized
+    model saves less for the backward with the checkpoint than without it."""
     torch.manual_seed(0)
     ids = make_ids([N] * 6 + [3, 1], seed=1, n=N)
     saved = {}
     for mode in ("none", "plain"):
         torch._dynamo.reset()
         model = CheckpointedBlock(spelling, mode=mode)
-        fast = grcompile.optimize(model, lowering=lowering)
+        options = {"lowering": "eager", "remat": True} if lowering == "eager-remat" else {"lowering": lowering}
+        fast = grcompile.optimize(model, **options)
         fast(ids)
         saved[mode] = _saved_bytes(fast, ids)
         assert grcompile.report(fast).counters.get("fuse_attention.score_mod_attention", 0) >= 1
@@ -141,7 +142,8 @@ def test_dropout_in_a_checkpointed_region_draws_once(options) -> None:
     assert grads["plain"].keys() == grads["none"].keys()
     for name, g in grads["none"].items():
         torch.testing.assert_close(grads["plain"][name], g, msg=lambda s: f"{name}: {s}")
-    assert saved["plain"] < 0.6 * saved["none"], saved
+    if options != {"lowering": "eager"}:  # the eager lowering partitions only with remat
+        assert saved["plain"] < 0.6 * saved["none"], saved
 
 
 def test_region_policy_saves_only_what_torch_cannot_replay() -> None:
