@@ -129,6 +129,11 @@ class GrcompileBackend:
             state.fallbacks.append({"pass": "capture", "site": node_site(call), "graph": k, "reason": (
                 f"the torch.utils.checkpoint region is left closed ({why}): the passes do not see inside it, "
                 f"so what it computes runs as written")})
+        if inlined and state.lowering == "eager" and not self._remat_on():
+            state.fallbacks.append({"pass": "capture", "site": region, "graph": k, "reason": (
+                "lowering='eager' without remat does not split the graph into forward and backward, so the "
+                "torch.utils.checkpoint regions' activations are saved, not recomputed; the inductor lowering or "
+                "remat=True recomputes them")})
         state.shapes.make_lowerable(captured)  # guard-free spellings of symbolic sizes (shapes.py, point 4)
         if (why := state.shapes.recompile_reason(k)) is not None:
             state.recompiles.append(why)

@@ -139,6 +139,8 @@ def test_dropout_in_a_checkpointed_region_draws_once(options) -> None:
         grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         assert grcompile.report(fast).counters.get("fuse_attention.score_mod_attention", 0) >= 1
         saved[mode] = _saved_bytes(fast, ids)
+        unsplit = [f for f in grcompile.report(fast).fallbacks if "activations are saved, not recomputed" in f["reason"]]
+        assert len(unsplit) == (mode == "plain" and options == {"lowering": "eager"}), unsplit
     assert grads["plain"].keys() == grads["none"].keys()
     for name, g in grads["none"].items():
         torch.testing.assert_close(grads["plain"][name], g, msg=lambda s: f"{name}: {s}")
