@@ -39,8 +39,8 @@ import torch.nn.functional as F
 
 from .layout import Pair, Token
 from .pass_manager import node_site
-from .op_semantics import arg, canonical, describe_op, evaluate, example, shape_of
-from .symbolic import is_one, is_symbolic, known_eq
+from .op_semantics import PARTIAL, arg, basic_index_axes, canonical, describe_op, evaluate, example, shape_of
+from .symbolic import is_one, is_symbolic, known_eq, known_ge
 
 MASKED_LOGIT = -1.0e4  # a softmax logit at or below this is treated as masked (exp underflows in fp32)
 
@@ -84,6 +84,10 @@ class Capture:
     # the tables that are ``torch.bucketize`` boundaries (1-D, no gradient flows into them) ->
     # their value where it is a compile-time constant (the proof evaluates buckets with it), else None
     boundaries: dict = field(default_factory=dict)
+    # (value, reader) for every value the score_mod is computed from and each of its readers in the
+    # attention (the weights chain, the region, its leaves): a write in place between them is a
+    # value the captured score_mod does not see (fuse_attention refuses it)
+    reads: list = field(default_factory=list)
 
 
 def is_qk_score(node: fx.Node, layouts: dict) -> bool:
@@ -359,11 +363,37 @@ def _is_broadcast_index(index: Any) -> bool:
     return all(i is None or i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in items)
 
 
+def _is_view_index(n: fx.Node) -> bool:
+    """``x[index]`` that selects nothing: ``None`` / ``...`` / slices that keep their whole axis
+    (``mask[:, :, :, :N]`` of a mask with N keys, HF's ``attention_mask[..., :key_len]``)."""
+    return whole_view_index(n.args[0], n.args[1])
+
+
+def whole_view_index(x: Any, index: Any) -> bool:
+    """``x[index]`` reads every element of ``x`` (``None``, ``...``, whole slices only)."""
+    if _is_broadcast_index(index):
+        return True
+    items = index if isinstance(index, tuple) else (index,)
+    shape = shape_of(x)
+    if shape is None or not all(i is None or i is Ellipsis or isinstance(i, slice) for i in items):
+        return False
+
+    def whole(item: slice, src: int, dst: int) -> bool:
+        if item.step not in (None, 1) or item.start not in (None, 0):
+            return False
+        stop = example(item.stop)
+        return item.stop is None or (isinstance(stop, (int, torch.SymInt)) and known_ge(stop, shape[src]))
+
+    mapping = basic_index_axes(items, len(shape), whole)
+    return mapping is not None and all(d is not None and d != PARTIAL for d in mapping.values())
+
+
 def _is_arange(node: fx.Node, N: int) -> bool:
     while canonical(node) in _SHAPE_ONLY or (canonical(node) == "getitem" and _is_broadcast_index(node.args[1])):
         node = node.args[0]
-    return canonical(node) == "arange" and len(node.args) == 1 and known_eq(example(node.args[0]), N) and not (
-        set(node.kwargs) - {"device", "dtype", "layout", "pin_memory", "requires_grad"})
+    from .detect_padding import _is_positions  # arange(N), arange(0, N), arange(0, N, 1)
+
+    return canonical(node) == "arange" and _is_positions(node, N)
 
 
 _FACTORY_FILL = {"ones": 1, "zeros": 0, "ones_like": 1, "zeros_like": 0}
@@ -503,8 +533,10 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
     """Build the score_mod of ``contraction = matmul(A, v)`` and decide normalize / causal inputs.
     Raises ``Unsupported`` with the reason when the region is not a pointwise score function."""
     top = contraction.args[0]
+    chain = [top]  # the weights' nodes from the contraction's operand down to the scores
     normalize, dropout_p, guarded, seen_dropout = "none", 0.0, False, False
     while True:  # attention dropout, a NaN→0 guard and casts that keep the dtype, in any order
+        chain.append(top)
         if canonical(top) == "unary" and top.target in _CASTS and isinstance(top.args[0], fx.Node) and \
                 getattr(example(top), "dtype", None) == getattr(example(top.args[0]), "dtype", 0):
             top = top.args[0]
@@ -528,15 +560,18 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
         top = top.args[0]
     elif guarded:
         raise Unsupported("a NaN guard on attention weights that are not a softmax", top)
+    chain.append(top)
     region, leaves = collect_from(top, layouts)
     if not region and leaves.get(top) != "score":
         raise Unsupported("the attention weights are not computed from pairwise scores", top)
+    inside = set(chain) | set(region)
+    reads = [(n, u) for n in inside | set(leaves) for u in n.users if u in inside or u is contraction]
 
     v = contraction.args[1]
     H = _heads_of(v, layouts[v])
     g = fx.Graph()
     cap = Capture(score=None, q=None, kT=None, normalize=normalize, dropout_p=dropout_p, heads=H,
-                  empty_rows_zero=guarded)
+                  empty_rows_zero=guarded, reads=reads)
     score_ph = g.placeholder("score")
     q_pos, k_pos = g.placeholder("q_pos"), g.placeholder("k_pos")
     head_ph: list[fx.Node] = []
@@ -696,7 +731,7 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
             keep = g.call_function(operator.le if op == "tril" else operator.ge, (rel, diagonal))
             zero = False if example(n).dtype == torch.bool else 0
             frame_env[n] = g.call_function(torch.where, (keep, x, zero))
-        elif op == "getitem" and _is_broadcast_index(n.args[1]):  # x[None, :], x[:, None]: a view
+        elif op == "getitem" and _is_view_index(n):  # x[None, :], x[:, None], x[..., :N]: a view
             frame_env[n] = value_of(n.args[0], n)
         elif op in ("getitem", "embedding", "matmul") and any(
                 _gather_index(n, b) is not None for b in n.all_input_nodes if b in table_ph and views.get(b) is None):

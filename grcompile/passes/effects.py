@@ -131,6 +131,14 @@ def _written_nodes(node: fx.Node) -> list[fx.Node]:
     return [a for a in _written_arguments(node) if isinstance(a, fx.Node)]
 
 
+def _scalar(node: fx.Node) -> bool:
+    """A node whose value is a number or a symbolic size (or a tuple of them), not a tensor."""
+    value = node.meta.get("example_value", node.meta.get("val"))
+    scalars = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+    return isinstance(value, scalars) or (isinstance(value, (tuple, list, torch.Size)) and len(value) > 0
+                                          and all(isinstance(v, scalars) for v in value))
+
+
 def _alias_links(graph: fx.Graph) -> dict[fx.Node, set[fx.Node]]:
     """Undirected "may share storage" edges: a write with what it writes (``x.mul_(m)`` aliases
     ``x``, not ``m``), any other op not known to return a fresh tensor with its inputs."""
@@ -143,6 +151,8 @@ def _alias_links(graph: fx.Graph) -> dict[fx.Node, set[fx.Node]]:
         else:
             continue
         for a in linked:
+            if _scalar(a):
+                continue  # a size or number argument (expand(B, ...)) holds no storage
             links.setdefault(node, set()).add(a)
             links.setdefault(a, set()).add(node)
     return links

@@ -37,8 +37,8 @@ from ..lowering.constant_check import CHECK_UNCHANGED, digest
 from ..lowering.score_mod import register_score_mod
 from ..lowering.score_mod_attention import SCORE_MOD_ATTENTION
 from .attention_capture import TableView, Unsupported, capture, is_size_scalar, prove
-from .decompose_attention import (expand_library_attention, functionalise_masked_fill, refill_in_place, restore,
-                                  unbind_as_chunks)
+from .decompose_attention import (expand_library_attention, functionalise_masked_fill, functionalise_whole_setitem,
+                                  refill_in_place, restore, unbind_as_chunks)
 from .detect_padding import PADDING, PaddingInfo, analyse, analyse_unpadded
 from .layout import Pair, Token
 from .op_semantics import canonical, describe_op, einsum_parts, example, shape_of
@@ -159,6 +159,12 @@ def _check_no_write_before(order: WriteOrder, node: fx.Node, cap, validity: set[
         if isinstance(value, fx.Node) and (write := order.between(value, node)) is not None:
             raise Unsupported(f"{value.name} is written in place by {describe_op(write)} at {node_site(write)} "
                               f"inside the attention: the fused op would read it after the write", node)
+    # the scores, mask and bias math the score_mod replays: each value as its readers saw it
+    for value, reader in cap.reads:
+        if (write := order.between(value, reader)) is not None:
+            raise Unsupported(f"{value.name} ({node_site(value)}) is written in place by {describe_op(write)} at "
+                              f"{node_site(write)} before the attention reads it: the captured score_mod computes "
+                              f"it as defined, without the write", write)
 
 class FuseAttention(GraphPass):
     name = "fuse_attention"
@@ -190,6 +196,10 @@ class FuseAttention(GraphPass):
         filled = functionalise_masked_fill(gm)
         if filled:
             ctx.count("masked_fill_functionalised", filled)
+        assigned = functionalise_whole_setitem(gm)
+        if assigned:
+            ctx.count("setitem_functionalised", assigned)
+            filled += assigned
         unbound = unbind_as_chunks(gm)
         if unbound:
             ctx.count("unbind_as_chunks", unbound)
@@ -228,10 +238,10 @@ class FuseAttention(GraphPass):
             try:
                 cap = capture(node, layouts, validity, N)
                 cap.empty_rows_zero |= expansion is not None and expansion.empty_rows_zero
+                _check_no_write_before(write_order, node, cap, validity)  # the proof reads the values as defined
                 causal = prove(cap, validity, N, set(info.padding), all_valid=info.unpadded is not None)
                 if info.unpadded is not None:
                     _worth_fusing_unpadded(cap, causal, expansion, node)
-                _check_no_write_before(write_order, node, cap, validity)
                 check = _own_key_check(gm, node, cap, info, write_order) if cap.unknown_own_key else None
             except Unsupported as e:
                 _refused(ctx, expansion, node, e)
