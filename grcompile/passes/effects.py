@@ -71,7 +71,7 @@ def remove_dead_code(graph: fx.Graph) -> bool:
 
 # canonical ops that always return a new tensor (never a view of, nor their input itself)
 _FRESH = {"ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "sub", "div", "neg", "matmul", "einsum",
-          "linear", "layer_norm", "rms_norm", "normalize", "embedding", "softmax", "reduce", "where",
+          "linear", "addmm", "layer_norm", "rms_norm", "normalize", "embedding", "softmax", "reduce", "where",
           "masked_fill", "tril", "triu", "factory", "arange", "cat", "one_hot", "repeat", "repeat_interleave",
           "add", "mul", "class_loss", "bucketize"}  # add / mul: the in-place spellings (iadd, imul) are writes, caught before this
 # value-wise ops that may return their input itself (same dtype, already contiguous) or a view of it
