@@ -168,7 +168,17 @@ def abstract_eval(gm: fx.GraphModule, inputs: list[Any]) -> Any:
 def _eval_abstract(node: fx.Node, args: Any, kwargs: Any) -> Any:
     """``node`` on evaluated arguments: concretely when none is ``ANY``, else by ``_apply``."""
     if not _has_any(list(args) + list(kwargs.values())):
-        return evaluate(node, args, kwargs)
+        try:
+            return evaluate(node, args, kwargs)
+        except RuntimeError as e:
+            # a stand-in of the default dtype (float32) filled with a float64 model's own fill value
+            # (``masked_fill(m, torch.finfo(torch.float64).min)``): evaluate in the node's dtype
+            # (float64 where the node carries none: a score_mod's own graph)
+            dtype = getattr(example(node), "dtype", torch.float64)
+            if "overflow" not in str(e) or not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise
+            up = lambda a: a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a  # noqa: E731
+            return evaluate(node, fx.node.map_aggregate(args, up), fx.node.map_aggregate(kwargs, up))
     return _apply(node, list(args), dict(kwargs))
 
 
@@ -1134,7 +1144,8 @@ def prove(cap: Capture, validity: set[fx.Node], N: int, padding: set[fx.Node] = 
     With a symbolic N the positions are enumerated on ``_proof_frame``'s range (a proof for
     every N)."""
     padding = set(padding)
-    if is_symbolic(N) and any(view is not None and view.static is not None for view in cap.views):
+    if is_symbolic(N) and any(view is not None and view.static is not None and {"i", "j"} & set(view.roles)
+                              for view in cap.views):  # a per-head constant (ALiBi's slopes) is one for every N
         raise Unsupported("a constant per-pair tensor enters the attention scores of a graph compiled for any "
                           "sequence length: its values are only known for one N", cap.score)
     constants = {f"table_{i}": cap.boundaries[t] for i, t in enumerate(cap.tables)
