@@ -294,9 +294,12 @@ class FuseAttention(GraphPass):
                 lq, lk = layouts[cap.q], layouts[cap.kT]
                 q = _to_bnhd(g, cap.q, lq, lq.seq, len(shape_of(cap.q)) - 1)
                 k = _to_bnhd(g, cap.kT, lk, lk.seq, len(shape_of(cap.kT)) - 2)
+                # the operands in the dtype the user's q @ kᵀ ran in (autocast casts a float32 q,
+                # e.g. after a float32 rotary embedding, to bfloat16 there): what eager multiplies
+                q, k = _as_dtype(g, q, cap.q, cap.score), _as_dtype(g, k, cap.kT, cap.score)
             else:
                 q = k = None
-            vv = _to_bnhd(g, v, lv, lv.seq, nd_v - 1)
+            vv = _as_dtype(g, _to_bnhd(g, v, lv, lv.seq, nd_v - 1), v, node)  # weights @ v's dtype, likewise
             valid = _valid_before(g, node, info)
             q_sides = [_side_dense(g, s.node, layouts[s.node], valid) for s in cap.sides if s.role == "q"]
             k_sides = [_side_dense(g, s.node, layouts[s.node], valid) for s in cap.sides if s.role == "k"]
@@ -319,6 +322,15 @@ class FuseAttention(GraphPass):
         node.replace_all_uses_with(out)
         g.erase_node(node)
         return key
+
+
+def _as_dtype(g: fx.Graph, x: fx.Node, operand: fx.Node, product: fx.Node) -> fx.Node:
+    """``x`` (the op's view of ``operand``) cast to the dtype of the user's ``product`` of it,
+    where they differ (only under autocast: a plain matmul needs equal dtypes)."""
+    have, want = getattr(example(operand), "dtype", None), getattr(example(product), "dtype", None)
+    if have is None or want is None or have == want or not want.is_floating_point:
+        return x
+    return g.call_method("to", (x, want))
 
 
 def _refused(ctx: PassContext, expansion, node: fx.Node, e: Unsupported) -> None:
