@@ -141,8 +141,9 @@ def functionalise_whole_setitem(gm: fx.GraphModule) -> int:
         ex = example(x)
         if not isinstance(x, fx.Node) or not isinstance(ex, torch.Tensor) or not fresh(x):
             continue
-        if not whole_view_index(x, index):
-            continue
+        items = index if isinstance(index, tuple) else (index,)
+        if any(i is None for i in items) or not whole_view_index(x, index):
+            continue  # (x[None] = v: v may carry the new axis, expand_as(x) would not fit it)
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         if WriteOrder(gm.graph).writes_to.get(x) != [node]:
             continue  # another write into x's storage: keep the program as written

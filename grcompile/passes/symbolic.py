@@ -175,8 +175,9 @@ def hoist_sizes(gm: fx.GraphModule) -> int:
                 and isinstance(n.args[0], fx.Node) and n.args[0].op != "placeholder"):
             continue
         value = n.meta.get("example_value", n.meta.get("val"))
-        if not isinstance(value, torch.Size) or not n.users:
-            continue
+        if not isinstance(value, torch.Size) or not n.users or any(
+                u.op == "call_method" and u.args and u.args[0] is n for u in n.users):
+            continue  # size.numel(), ...: a method of torch.Size, not of the tuple it would become
         try:
             parts = tuple(sizes(s) for s in value)
         except Unresolved:
