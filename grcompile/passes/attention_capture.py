@@ -44,6 +44,8 @@ from .symbolic import is_one, is_symbolic, known_eq, known_ge
 
 MASKED_LOGIT = -1.0e4  # a softmax logit at or below this is treated as masked (exp underflows in fp32)
 
+_IN_PLACE = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+             operator.itruediv: operator.truediv}
 _SHAPE_ONLY = ("unsqueeze", "squeeze", "reshape", "expand", "transpose", "permute")
 _POINTWISE = ("ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "add", "sub", "mul", "div", "neg",
               "unary", "where", "masked_fill")
@@ -769,6 +771,13 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
             kwargs = fx.node.map_arg(n.kwargs, lambda a: value_of(a, n))
             if n.op == "call_method":
                 frame_env[n] = g.call_method(n.target, args, kwargs)
+            elif n.target in _IN_PLACE:
+                # `mask *= keep` (HF's causal mask): the written value has no later reader in the
+                # scores (fuse_attention refuses one), so the product, in the written tensor's dtype
+                dtype = getattr(example(n), "dtype", None)
+                frame_env[n] = g.call_function(_IN_PLACE[n.target], args, kwargs)
+                if dtype is not None:
+                    frame_env[n] = g.call_method("to", (frame_env[n], dtype))
             else:
                 frame_env[n] = g.call_function(n.target, args, kwargs)
         elif op == "softmax":

@@ -246,3 +246,40 @@ def test_sizes_passed_to_a_view_do_not_alias_the_written_tensor():
     g.output((w, b))
     aliases = written_aliases(g)
     assert e in aliases and a in aliases and b not in aliases and c not in aliases
+
+
+class CausalMaskMultipliedInPlace(nn.Module):
+    """HF's causal mask: ``full(finfo.min).triu(1)`` then ``mask *= arange > position`` in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(40, 8, padding_idx=0)
+        self.wq, self.wk, self.wv = (nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, ids):
+        N = ids.shape[1]
+        valid = ids != 0
+        x = self.emb(ids)
+        mask = torch.full((N, N), torch.finfo(x.dtype).min).triu(1)
+        mask *= torch.arange(N) > torch.arange(N).reshape(-1, 1)
+        mask = mask.masked_fill(~valid[:, None, :], torch.finfo(x.dtype).min)
+        s = self.wq(x) @ self.wk(x).transpose(1, 2) + mask
+        return (torch.softmax(s, -1) @ self.wv(x)) * valid[..., None]
+
+
+def test_in_place_product_in_the_mask_is_captured_out_of_place(tmp_path):
+    """Regression (llama_rope_rmsnorm with the Triton kernels): the captured score_mod kept the
+    user's ``*=`` (operator.imul), which the Triton score_mod generator does not know: every call
+    went to the reference kernel. Captured as a product (in the written tensor's dtype)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = CausalMaskMultipliedInPlace()
+    model = copy.deepcopy(eager)
+    optimized = grcompile.optimize(model, lowering="eager", dump_dir=tmp_path)
+    ids = _batch(5, 8)
+    want, got = eager(ids), optimized(ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert grcompile.report(optimized).counters.get("fuse_attention.score_mod_attention") == 1
+    code = ["\n".join(line for line in m.read_text().splitlines() if not line.strip().startswith("#"))
+            for m in tmp_path.glob("graph_0/score_mods/*.py")]  # the comments quote the user's line
+    assert code and all("*=" not in c and "imul" not in c for c in code), code
