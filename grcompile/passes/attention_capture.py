@@ -39,11 +39,13 @@ import torch.nn.functional as F
 
 from .layout import Pair, Token
 from .pass_manager import node_site
-from .op_semantics import arg, canonical, describe_op, evaluate, example, shape_of
-from .symbolic import is_one, is_symbolic, known_eq
+from .op_semantics import PARTIAL, arg, basic_index_axes, canonical, describe_op, evaluate, example, shape_of
+from .symbolic import is_one, is_symbolic, known_eq, known_ge
 
 MASKED_LOGIT = -1.0e4  # a softmax logit at or below this is treated as masked (exp underflows in fp32)
 
+_IN_PLACE = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+             operator.itruediv: operator.truediv}
 _SHAPE_ONLY = ("unsqueeze", "squeeze", "reshape", "expand", "transpose", "permute")
 _POINTWISE = ("ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "add", "sub", "mul", "div", "neg",
               "unary", "where", "masked_fill")
@@ -84,6 +86,10 @@ class Capture:
     # the tables that are ``torch.bucketize`` boundaries (1-D, no gradient flows into them) ->
     # their value where it is a compile-time constant (the proof evaluates buckets with it), else None
     boundaries: dict = field(default_factory=dict)
+    # (value, reader) for every value the score_mod is computed from and each of its readers in the
+    # attention (the weights chain, the region, its leaves): a write in place between them is a
+    # value the captured score_mod does not see (fuse_attention refuses it)
+    reads: list = field(default_factory=list)
 
 
 def is_qk_score(node: fx.Node, layouts: dict) -> bool:
@@ -164,7 +170,17 @@ def abstract_eval(gm: fx.GraphModule, inputs: list[Any]) -> Any:
 def _eval_abstract(node: fx.Node, args: Any, kwargs: Any) -> Any:
     """``node`` on evaluated arguments: concretely when none is ``ANY``, else by ``_apply``."""
     if not _has_any(list(args) + list(kwargs.values())):
-        return evaluate(node, args, kwargs)
+        try:
+            return evaluate(node, args, kwargs)
+        except RuntimeError as e:
+            # a stand-in of the default dtype (float32) filled with a float64 model's own fill value
+            # (``masked_fill(m, torch.finfo(torch.float64).min)``): evaluate in the node's dtype
+            # (float64 where the node carries none: a score_mod's own graph)
+            dtype = getattr(example(node), "dtype", torch.float64)
+            if "overflow" not in str(e) or not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise
+            up = lambda a: a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a  # noqa: E731
+            return evaluate(node, fx.node.map_aggregate(args, up), fx.node.map_aggregate(kwargs, up))
     return _apply(node, list(args), dict(kwargs))
 
 
@@ -359,11 +375,37 @@ def _is_broadcast_index(index: Any) -> bool:
     return all(i is None or i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in items)
 
 
+def _is_view_index(n: fx.Node) -> bool:
+    """``x[index]`` that selects nothing: ``None`` / ``...`` / slices that keep their whole axis
+    (``mask[:, :, :, :N]`` of a mask with N keys, HF's ``attention_mask[..., :key_len]``)."""
+    return whole_view_index(n.args[0], n.args[1])
+
+
+def whole_view_index(x: Any, index: Any) -> bool:
+    """``x[index]`` reads every element of ``x`` (``None``, ``...``, whole slices only)."""
+    if _is_broadcast_index(index):
+        return True
+    items = index if isinstance(index, tuple) else (index,)
+    shape = shape_of(x)
+    if shape is None or not all(i is None or i is Ellipsis or isinstance(i, slice) for i in items):
+        return False
+
+    def whole(item: slice, src: int, dst: int) -> bool:
+        if item.step not in (None, 1) or item.start not in (None, 0):
+            return False
+        stop = example(item.stop)
+        return item.stop is None or (isinstance(stop, (int, torch.SymInt)) and known_ge(stop, shape[src]))
+
+    mapping = basic_index_axes(items, len(shape), whole)
+    return mapping is not None and all(d is not None and d != PARTIAL for d in mapping.values())
+
+
 def _is_arange(node: fx.Node, N: int) -> bool:
     while canonical(node) in _SHAPE_ONLY or (canonical(node) == "getitem" and _is_broadcast_index(node.args[1])):
         node = node.args[0]
-    return canonical(node) == "arange" and len(node.args) == 1 and known_eq(example(node.args[0]), N) and not (
-        set(node.kwargs) - {"device", "dtype", "layout", "pin_memory", "requires_grad"})
+    from .detect_padding import _is_positions  # arange(N), arange(0, N), arange(0, N, 1)
+
+    return canonical(node) == "arange" and _is_positions(node, N)
 
 
 _FACTORY_FILL = {"ones": 1, "zeros": 0, "ones_like": 1, "zeros_like": 0}
@@ -503,8 +545,10 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
     """Build the score_mod of ``contraction = matmul(A, v)`` and decide normalize / causal inputs.
     Raises ``Unsupported`` with the reason when the region is not a pointwise score function."""
     top = contraction.args[0]
+    chain = [top]  # the weights' nodes from the contraction's operand down to the scores
     normalize, dropout_p, guarded, seen_dropout = "none", 0.0, False, False
     while True:  # attention dropout, a NaN→0 guard and casts that keep the dtype, in any order
+        chain.append(top)
         if canonical(top) == "unary" and top.target in _CASTS and isinstance(top.args[0], fx.Node) and \
                 getattr(example(top), "dtype", None) == getattr(example(top.args[0]), "dtype", 0):
             top = top.args[0]
@@ -528,15 +572,18 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
         top = top.args[0]
     elif guarded:
         raise Unsupported("a NaN guard on attention weights that are not a softmax", top)
+    chain.append(top)
     region, leaves = collect_from(top, layouts)
     if not region and leaves.get(top) != "score":
         raise Unsupported("the attention weights are not computed from pairwise scores", top)
+    inside = set(chain) | set(region)
+    reads = [(n, u) for n in inside | set(leaves) for u in n.users if u in inside or u is contraction]
 
     v = contraction.args[1]
     H = _heads_of(v, layouts[v])
     g = fx.Graph()
     cap = Capture(score=None, q=None, kT=None, normalize=normalize, dropout_p=dropout_p, heads=H,
-                  empty_rows_zero=guarded)
+                  empty_rows_zero=guarded, reads=reads)
     score_ph = g.placeholder("score")
     q_pos, k_pos = g.placeholder("q_pos"), g.placeholder("k_pos")
     head_ph: list[fx.Node] = []
@@ -696,7 +743,7 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
             keep = g.call_function(operator.le if op == "tril" else operator.ge, (rel, diagonal))
             zero = False if example(n).dtype == torch.bool else 0
             frame_env[n] = g.call_function(torch.where, (keep, x, zero))
-        elif op == "getitem" and _is_broadcast_index(n.args[1]):  # x[None, :], x[:, None]: a view
+        elif op == "getitem" and _is_view_index(n):  # x[None, :], x[:, None], x[..., :N]: a view
             frame_env[n] = value_of(n.args[0], n)
         elif op in ("getitem", "embedding", "matmul") and any(
                 _gather_index(n, b) is not None for b in n.all_input_nodes if b in table_ph and views.get(b) is None):
@@ -724,6 +771,13 @@ def capture(contraction: fx.Node, layouts: dict, validity: set[fx.Node], N: int)
             kwargs = fx.node.map_arg(n.kwargs, lambda a: value_of(a, n))
             if n.op == "call_method":
                 frame_env[n] = g.call_method(n.target, args, kwargs)
+            elif n.target in _IN_PLACE:
+                # `mask *= keep` (HF's causal mask): the written value has no later reader in the
+                # scores (fuse_attention refuses one), so the product, in the written tensor's dtype
+                dtype = getattr(example(n), "dtype", None)
+                frame_env[n] = g.call_function(_IN_PLACE[n.target], args, kwargs)
+                if dtype is not None:
+                    frame_env[n] = g.call_method("to", (frame_env[n], dtype))
             else:
                 frame_env[n] = g.call_function(n.target, args, kwargs)
         elif op == "softmax":
@@ -1099,7 +1153,8 @@ def prove(cap: Capture, validity: set[fx.Node], N: int, padding: set[fx.Node] = 
     With a symbolic N the positions are enumerated on ``_proof_frame``'s range (a proof for
     every N)."""
     padding = set(padding)
-    if is_symbolic(N) and any(view is not None and view.static is not None for view in cap.views):
+    if is_symbolic(N) and any(view is not None and view.static is not None and {"i", "j"} & set(view.roles)
+                              for view in cap.views):  # a per-head constant (ALiBi's slopes) is one for every N
         raise Unsupported("a constant per-pair tensor enters the attention scores of a graph compiled for any "
                           "sequence length: its values are only known for one N", cap.score)
     constants = {f"table_{i}": cap.boundaries[t] for i, t in enumerate(cap.tables)

@@ -171,6 +171,8 @@ class AxisClasses:
                     self._mapped(node, t, {i: i for i in range(nd) if i != d})
         elif op in ("linear",):
             self._mapped(node, x, {i: i for i in range(nd - 1)})
+        elif op == "addmm" and isinstance(node.args[1], fx.Node):  # addmm(bias, x, w): x's rows
+            self._mapped(node, node.args[1], {0: 0})
         elif op in ("embedding", "one_hot"):
             self._mapped(node, x, {i: i for i in range(len(xs))})
         elif op == "reduce":

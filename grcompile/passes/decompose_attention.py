@@ -122,6 +122,64 @@ def functionalise_masked_fill(gm: fx.GraphModule) -> int:
     return count
 
 
+def functionalise_whole_setitem(gm: fx.GraphModule) -> int:
+    """``x[index] = v`` where ``index`` keeps every axis of ``x`` whole (``None`` / ``...`` / ``:`` /
+    ``:n`` with ``n`` at least the axis' size: HF's ``causal_mask[..., :mask_length] = ...``) →
+    ``x2 = v.to(x.dtype).expand_as(x).clone()``, every reader of ``x`` after the write reading
+    ``x2`` — the value the write leaves in ``x``. Only where ``x`` is a fresh tensor that nothing
+    else writes, and every view of it taken before the write is read only before it (so no
+    reader sees ``x``'s storage other than through ``x`` after the write). Returns how many."""
+    from .attention_capture import whole_view_index
+    from .effects import WriteOrder, _may_alias_input
+
+    count = 0
+    nodes = list(gm.graph.nodes)
+    for node in nodes:
+        if node.op != "call_function" or node.target is not operator.setitem or len(node.args) != 3 or node.users:
+            continue
+        x, index, v = node.args
+        ex = example(x)
+        if not isinstance(x, fx.Node) or not isinstance(ex, torch.Tensor) or not fresh(x):
+            continue
+        items = index if isinstance(index, tuple) else (index,)
+        if any(i is None for i in items) or not whole_view_index(x, index):
+            continue  # (x[None] = v: v may carry the new axis, expand_as(x) would not fit it)
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        if WriteOrder(gm.graph).writes_to.get(x) != [node]:
+            continue  # another write into x's storage: keep the program as written
+        ok = True
+        stack = [u for u in x.users if u is not node and order[u] < order[node]]
+        while stack and ok:  # what reads x before the write: fresh results, or views read only before it
+            u = stack.pop()
+            if not _may_alias_input(u):
+                continue
+            if any(order[w] >= order[node] for w in u.users):
+                ok = False
+            stack.extend(u.users)
+        if not ok:
+            continue
+        if isinstance(v, fx.Node) and not isinstance(example(v), torch.Tensor):
+            continue
+        later = [u for u in x.users if order[u] > order[node]]
+        with gm.graph.inserting_before(node):
+            if isinstance(v, fx.Node):
+                value = gm.graph.call_method("to", (v, ex.dtype))
+                value = gm.graph.call_method("expand_as", (value, x))
+                new = gm.graph.call_method("clone", (value,), {"memory_format": torch.contiguous_format})
+            elif isinstance(v, (bool, int, float)):
+                new = gm.graph.call_function(torch.full_like, (x, v))
+            else:
+                continue
+        for n in (new, *new.all_input_nodes):
+            if n is not x and n is not v and node.meta.get("stack_trace"):
+                n.meta["stack_trace"] = node.meta["stack_trace"]
+        for u in later:
+            u.replace_input_with(x, new)
+        gm.graph.erase_node(node)
+        count += 1
+    return count
+
+
 def refill_in_place(gm: fx.GraphModule) -> int:
     """Undo ``functionalise_masked_fill``'s scores rewrite where the fill survived fusion (the
     attention was not fused, or the filled scores are read elsewhere): ``t.masked_fill_(m, v)``

@@ -1,7 +1,7 @@
 """Pass ``detect_padding``: where validity comes from and which tensors are padded.
 
 Matches: a boolean ``[B, N]`` validity mask built from the inputs — ``ids != pad`` for any pad id
-(also ``~(ids == pad)``, ``ids > pad``, their float casts) or ``arange(N) < lengths[:, None]`` (and
+(also ``~(ids == pad)``, ``ids > pad``, their float casts, ``ids.bool()`` for pad 0) or ``arange(N) < lengths[:, None]`` (and
 its mirror forms); the mask must be computed position-wise (no shift or reduction along N).
 Emits: nothing in the graph. It annotates ``node.meta["grcompile_layout"]`` with a
 ``Token`` / ``Pair`` / ``None`` layout (see ``layout.py``) for every node, and
@@ -53,6 +53,11 @@ def _describe(node: fx.Node, negated: bool = False) -> str | None:
     if op == "not" and isinstance(node.args[0], fx.Node) and canonical(node.args[0]) == "eq":
         inner = _describe(node.args[0], negated=True)
         return None if inner is None else f"~({inner})"
+    if op == "unary" and _is_bool_cast(node):  # ids.bool(), ids.to(torch.bool): ids != 0
+        a = node.args[0]
+        if isinstance(a, fx.Node) and a.op == "placeholder" and _is_int_tensor(a):
+            return f"{a.name} != 0"
+        return None
     if op not in _COMPARE or len(node.args) < 2:
         return None
     a, b = node.args[0], node.args[1]
@@ -63,6 +68,18 @@ def _describe(node: fx.Node, negated: bool = False) -> str | None:
     if isinstance(a, fx.Node) and isinstance(b, fx.Node) and (_involves_arange(a) or _involves_arange(b)):
         return f"{_origin(a)} {symbol} {_origin(b)}"
     return None
+
+
+def _is_bool_cast(node: fx.Node) -> bool:
+    """``x.bool()`` or ``x.to(torch.bool)`` / ``x.to(dtype=torch.bool)`` (true where ``x != 0``)."""
+    if node.op != "call_method" or not node.args:
+        return False
+    if node.target == "bool":
+        return len(node.args) == 1 and not node.kwargs
+    if node.target == "to":
+        dtypes = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, torch.dtype)]
+        return dtypes == [torch.bool] and all(isinstance(a, (torch.dtype, bool)) for a in node.args[1:])
+    return False
 
 
 def _as_validity(description: str) -> str:
@@ -160,6 +177,7 @@ def analyse_unpadded(gm: fx.GraphModule) -> PaddingInfo | None:
 
 def _layouts(gm: fx.GraphModule, classes: AxisClasses, rows, positions, N) -> dict[fx.Node, Layout]:
     layouts: dict[fx.Node, Layout] = {}
+    from_tables: dict[fx.Node, bool] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             layouts[node] = _input_layout(node, classes, rows, positions)
@@ -168,8 +186,72 @@ def _layouts(gm: fx.GraphModule, classes: AxisClasses, rows, positions, N) -> di
         elif canonical(node) == "jagged_to_padded_dense" and _pads_the_rows(node, classes, rows, N):
             layouts[node] = Token(0, 1, len(shape_of(node)))
         else:
-            layouts[node] = _with_rows(propagate(node, layouts), node, classes, rows)
+            layout = _with_rows(propagate(node, layouts), node, classes, rows)
+            layouts[node] = layout if layout is not None else _unpadded_token(node, layouts, classes, rows, positions,
+                                                                             from_tables)
     return layouts
+
+
+def _unpadded_token(node: fx.Node, layouts: dict, classes: AxisClasses, rows, positions,
+                    memo: dict[fx.Node, bool]) -> Layout:
+    """A value computed only from the model's parameters and buffers, constants and sizes — no
+    data input reaches it, so it holds nothing of a padded position — whose axes dataflow ties to
+    one position axis (and at most one row axis), as a graph input's are: BERT's
+    ``position_ids[:, :N]`` buffer slice or ``pos.weight[:N]`` where N is below the tables'
+    length. The layout only says how to pack it."""
+    if node.op not in ("call_function", "call_method") or not isinstance(example(node), torch.Tensor):
+        return None
+    if not _from_tables(node, memo):
+        return None
+    b, n = classes.axes_in(node, rows), classes.axes_in(node, positions)
+    if len(n) != 1 or len(b) > 1:
+        return None
+    return Token(b[0] if b else None, n[0], len(shape_of(node)))
+
+
+def _from_tables(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
+    """No data input of the graph reaches ``node`` other than through its size (parameters,
+    buffers, attributes, constants and symbolic sizes only)."""
+    stack, seen = [node], []
+    while stack:
+        n = stack.pop()
+        if n in memo:
+            if not memo[n]:
+                memo[node] = False
+                return False
+            continue
+        value = example(n)
+        if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+            memo[n] = True  # a size: no values of its tensor
+            continue
+        if n.op == "get_attr":
+            memo[n] = True
+            continue
+        if n.op == "placeholder":
+            source = _source_name(n)
+            memo[n] = source is not None and ("._parameters[" in source or "._buffers[" in source)
+            if not memo[n]:
+                memo[node] = False
+                return False
+            continue
+        if n.op not in ("call_function", "call_method"):
+            memo[n] = False
+            memo[node] = False
+            return False
+        seen.append(n)
+        stack.extend(n.all_input_nodes)
+    for n in seen:
+        memo[n] = True
+    return True
+
+
+def _source_name(node: fx.Node) -> str | None:
+    """Dynamo's source of a placeholder (``L['self']._modules['pos']._parameters['weight']``)."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    try:
+        return source.name if source is not None else None
+    except Exception:  # noqa: BLE001 - a source kind without a name
+        return None
 
 
 def _with_rows(layout: Layout, node: fx.Node, classes: AxisClasses, rows) -> Layout:
@@ -212,8 +294,20 @@ def _pads_the_rows(node: fx.Node, classes: AxisClasses, rows, N) -> bool:
             and shape is not None and len(shape) >= 2)
 
 
+_RANGE = ("start", "end", "step")
+
+
 def _is_positions(node: fx.Node, N) -> bool:
-    """``arange(N)`` (one argument, equal to the validity's N): the padded positions."""
-    if len(node.args) != 1 or set(node.kwargs) - {"device", "dtype", "layout", "pin_memory", "requires_grad"}:
+    """``arange(N)`` — also spelled ``arange(0, N)``, ``arange(0, N, 1)`` or with ``start`` /
+    ``end`` / ``step`` keywords — with N the validity's N: the padded positions."""
+    if set(node.kwargs) - {"device", "dtype", "layout", "pin_memory", "requires_grad", *_RANGE}:
         return False
-    return known_eq(example(node.args[0]), N)
+    if len(node.args) > 3 or any(k in node.kwargs for k in _RANGE[:len(node.args)]):
+        return False
+    given = dict(zip(_RANGE, node.args)) if len(node.args) != 1 else {"end": node.args[0]}
+    given.update({k: node.kwargs[k] for k in _RANGE if k in node.kwargs})
+    if "end" not in given:
+        return False
+    start, step = given.get("start", 0), given.get("step", 1)
+    return (type(start) is int and start == 0 and type(step) is int and step == 1
+            and known_eq(example(given["end"]), N))

@@ -71,7 +71,7 @@ def remove_dead_code(graph: fx.Graph) -> bool:
 
 # canonical ops that always return a new tensor (never a view of, nor their input itself)
 _FRESH = {"ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "sub", "div", "neg", "matmul", "einsum",
-          "linear", "layer_norm", "rms_norm", "normalize", "embedding", "softmax", "reduce", "where",
+          "linear", "addmm", "layer_norm", "rms_norm", "normalize", "embedding", "softmax", "reduce", "where",
           "masked_fill", "tril", "triu", "factory", "arange", "cat", "one_hot", "repeat", "repeat_interleave",
           "add", "mul", "class_loss", "bucketize"}  # add / mul: the in-place spellings (iadd, imul) are writes, caught before this
 # value-wise ops that may return their input itself (same dtype, already contiguous) or a view of it
@@ -131,6 +131,14 @@ def _written_nodes(node: fx.Node) -> list[fx.Node]:
     return [a for a in _written_arguments(node) if isinstance(a, fx.Node)]
 
 
+def _scalar(node: fx.Node) -> bool:
+    """A node whose value is a number or a symbolic size (or a tuple of them), not a tensor."""
+    value = node.meta.get("example_value", node.meta.get("val"))
+    scalars = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+    return isinstance(value, scalars) or (isinstance(value, (tuple, list, torch.Size)) and len(value) > 0
+                                          and all(isinstance(v, scalars) for v in value))
+
+
 def _alias_links(graph: fx.Graph) -> dict[fx.Node, set[fx.Node]]:
     """Undirected "may share storage" edges: a write with what it writes (``x.mul_(m)`` aliases
     ``x``, not ``m``), any other op not known to return a fresh tensor with its inputs."""
@@ -143,6 +151,8 @@ def _alias_links(graph: fx.Graph) -> dict[fx.Node, set[fx.Node]]:
         else:
             continue
         for a in linked:
+            if _scalar(a):
+                continue  # a size or number argument (expand(B, ...)) holds no storage
             links.setdefault(node, set()).add(a)
             links.setdefault(a, set()).add(node)
     return links

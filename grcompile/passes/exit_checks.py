@@ -18,11 +18,13 @@ optimized graph runs.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
 from .effects import writes
-from .layout import Token
+from .layout import Token, propagate
 from .op_semantics import canonical, is_random, shape_of
 from .symbolic import static_int
 
@@ -38,6 +40,12 @@ _ALLOWED = {"ne", "eq", "gt", "ge", "lt", "le", "and", "or", "not", "add", "sub"
 # canonical name, the layout rules know no shift, and a shape-changing factory must not tie axes
 _SHIFTS = (torch.roll, torch.nn.functional.pad, torch._C._nn.pad)
 _SHIFT_METHODS = ("roll", "new_full", "new_zeros", "new_ones")
+# integer index arithmetic without a canonical name, matched by target and recomputed only on
+# integer / bool tensors (exact, whatever computes it): HF's last-token index
+# ``(ids.eq(pad).int().argmax(-1) - 1) % N``, ``x // k``, position ids ``valid.cumsum(-1) - 1``
+_INDEX_FUNCTIONS = (operator.mod, operator.floordiv, torch.remainder, torch.floor_divide, torch.argmax, torch.argmin,
+                    torch.cumsum)
+_INDEX_METHODS = ("remainder", "__mod__", "floor_divide", "__floordiv__", "argmax", "argmin", "cumsum")
 
 
 def spread_over(t: torch.Tensor, ndim: int, batch: int, seq: int, features: dict[int, int]) -> torch.Tensor:
@@ -88,6 +96,11 @@ def build_read_check(gm: fx.GraphModule, u: fx.Node, x: fx.Node, layout: Token, 
     shape = shape_of(x)
     if shape is None:
         return f"the shape of {x.name} is unknown"
+    kept = propagate(u, {x: layout})
+    if isinstance(kept, Token) and kept.seq is not None:
+        # a view of every position (x[:, :, None], x[..., :k]): it reads the padded positions of
+        # every partly padded row, so the check would fail on every call that has one
+        return f"{u.name} keeps every position of {x.name} (it selects no positions), padded ones included"
     features: dict[int, int] = {}
     for axis, size in enumerate(shape):
         if axis in (layout.batch, layout.seq):
@@ -178,10 +191,31 @@ def _ancestors(starts: list[fx.Node], x: fx.Node | None) -> set[fx.Node] | str:
         if n.op not in ("call_function", "call_method") or writes(n) or is_random(n):
             return f"{n.name} cannot be recomputed before the graph runs (random, in place or not a plain op)"
         op = canonical(n)
-        if op not in _ALLOWED and not _size_arithmetic(n) and not _shift(n):
+        if op not in _ALLOWED and not _size_arithmetic(n) and not _shift(n) and not _integer_index_op(n):
             return f"the checked values are computed with {n.name}, which a run-time check does not recompute"
         stack.extend(n.all_input_nodes)
     return seen
+
+
+def _integer_index_op(n: fx.Node) -> bool:
+    """An op of ``_INDEX_FUNCTIONS`` / ``_INDEX_METHODS`` whose result and tensor inputs are all
+    integer or bool (no float rounding that another lowering could do differently)."""
+    if n.op == "call_method":
+        if n.target not in _INDEX_METHODS:
+            return False
+    else:
+        try:
+            if n.target not in _INDEX_FUNCTIONS:
+                return False
+        except TypeError:  # unhashable target
+            return False
+    for t in (n, *n.all_input_nodes):
+        value = t.meta.get("example_value")
+        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+            return False
+        if isinstance(value, float):
+            return False
+    return True
 
 
 def _shift(n: fx.Node) -> bool:

@@ -109,6 +109,8 @@ def _match(node: fx.Node) -> str | None:
     """The reason ``node`` (a linear) is skipped, or None."""
     if node.meta.get(WRITTEN_AS) == "conv1d":
         return "convolution"
+    if node.meta.get(WRITTEN_AS) == "addmm":
+        return "addmm"  # the user's torch.addmm (HF Conv1D), not an F.linear
     x, w, out = example_tensor(arg(node, 0, "input")), example_tensor(arg(node, 1, "weight")), example_tensor(node)
     if x is None or w is None or out is None:
         return "no_shape"

@@ -37,8 +37,8 @@ from ..lowering.constant_check import CHECK_UNCHANGED, digest
 from ..lowering.score_mod import register_score_mod
 from ..lowering.score_mod_attention import SCORE_MOD_ATTENTION
 from .attention_capture import TableView, Unsupported, capture, is_size_scalar, prove
-from .decompose_attention import (expand_library_attention, functionalise_masked_fill, refill_in_place, restore,
-                                  unbind_as_chunks)
+from .decompose_attention import (expand_library_attention, functionalise_masked_fill, functionalise_whole_setitem,
+                                  refill_in_place, restore, unbind_as_chunks)
 from .detect_padding import PADDING, PaddingInfo, analyse, analyse_unpadded
 from .layout import Pair, Token
 from .op_semantics import canonical, describe_op, einsum_parts, example, shape_of
@@ -159,6 +159,12 @@ def _check_no_write_before(order: WriteOrder, node: fx.Node, cap, validity: set[
         if isinstance(value, fx.Node) and (write := order.between(value, node)) is not None:
             raise Unsupported(f"{value.name} is written in place by {describe_op(write)} at {node_site(write)} "
                               f"inside the attention: the fused op would read it after the write", node)
+    # the scores, mask and bias math the score_mod replays: each value as its readers saw it
+    for value, reader in cap.reads:
+        if (write := order.between(value, reader)) is not None:
+            raise Unsupported(f"{value.name} ({node_site(value)}) is written in place by {describe_op(write)} at "
+                              f"{node_site(write)} before the attention reads it: the captured score_mod computes "
+                              f"it as defined, without the write", write)
 
 class FuseAttention(GraphPass):
     name = "fuse_attention"
@@ -190,6 +196,10 @@ class FuseAttention(GraphPass):
         filled = functionalise_masked_fill(gm)
         if filled:
             ctx.count("masked_fill_functionalised", filled)
+        assigned = functionalise_whole_setitem(gm)
+        if assigned:
+            ctx.count("setitem_functionalised", assigned)
+            filled += assigned
         unbound = unbind_as_chunks(gm)
         if unbound:
             ctx.count("unbind_as_chunks", unbound)
@@ -228,10 +238,10 @@ class FuseAttention(GraphPass):
             try:
                 cap = capture(node, layouts, validity, N)
                 cap.empty_rows_zero |= expansion is not None and expansion.empty_rows_zero
+                _check_no_write_before(write_order, node, cap, validity)  # the proof reads the values as defined
                 causal = prove(cap, validity, N, set(info.padding), all_valid=info.unpadded is not None)
                 if info.unpadded is not None:
                     _worth_fusing_unpadded(cap, causal, expansion, node)
-                _check_no_write_before(write_order, node, cap, validity)
                 check = _own_key_check(gm, node, cap, info, write_order) if cap.unknown_own_key else None
             except Unsupported as e:
                 _refused(ctx, expansion, node, e)
@@ -284,9 +294,12 @@ class FuseAttention(GraphPass):
                 lq, lk = layouts[cap.q], layouts[cap.kT]
                 q = _to_bnhd(g, cap.q, lq, lq.seq, len(shape_of(cap.q)) - 1)
                 k = _to_bnhd(g, cap.kT, lk, lk.seq, len(shape_of(cap.kT)) - 2)
+                # the operands in the dtype the user's q @ kᵀ ran in (autocast casts a float32 q,
+                # e.g. after a float32 rotary embedding, to bfloat16 there): what eager multiplies
+                q, k = _as_dtype(g, q, cap.q, cap.score), _as_dtype(g, k, cap.kT, cap.score)
             else:
                 q = k = None
-            vv = _to_bnhd(g, v, lv, lv.seq, nd_v - 1)
+            vv = _as_dtype(g, _to_bnhd(g, v, lv, lv.seq, nd_v - 1), v, node)  # weights @ v's dtype, likewise
             valid = _valid_before(g, node, info)
             q_sides = [_side_dense(g, s.node, layouts[s.node], valid) for s in cap.sides if s.role == "q"]
             k_sides = [_side_dense(g, s.node, layouts[s.node], valid) for s in cap.sides if s.role == "k"]
@@ -309,6 +322,15 @@ class FuseAttention(GraphPass):
         node.replace_all_uses_with(out)
         g.erase_node(node)
         return key
+
+
+def _as_dtype(g: fx.Graph, x: fx.Node, operand: fx.Node, product: fx.Node) -> fx.Node:
+    """``x`` (the op's view of ``operand``) cast to the dtype of the user's ``product`` of it,
+    where they differ (only under autocast: a plain matmul needs equal dtypes)."""
+    have, want = getattr(example(operand), "dtype", None), getattr(example(product), "dtype", None)
+    if have is None or want is None or have == want or not want.is_floating_point:
+        return x
+    return g.call_method("to", (x, want))
 
 
 def _refused(ctx: PassContext, expansion, node: fx.Node, e: Unsupported) -> None:

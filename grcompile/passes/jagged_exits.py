@@ -148,6 +148,9 @@ class ExitEmitter:
         coord = self._emit("expand", self._emit("reshape", coord, *fshape, method=True), *full, method=True)
         picked_rank = g.node_copy(u, lambda a: rank if a is x else a)
         picked_coord = g.node_copy(u, lambda a: coord if a is x else a)
+        for picked in (picked_rank, picked_coord):  # integer maps: not u's (float) example value
+            picked.meta.pop("example_value", None)
+            picked.meta.pop("val", None)
         address = self._emit(operator.add, self._emit(operator.mul, picked_rank, P), picked_coord)
         return self._emit(operator.getitem, ext, address)
 

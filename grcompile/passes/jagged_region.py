@@ -126,7 +126,15 @@ class ZeroAtPadding:
         if op == "fused_attention" or n in self.seq_softmax:
             return True  # 0 at padded queries / exp(-inf) = 0 (empty rows: the empty-row rule)
         if op in self._KEEP or (op == "getitem" and not isinstance(n.args[1], fx.Node)):
-            return isinstance(x, fx.Node) and x in self.members and self(x)
+            if not isinstance(x, fx.Node):
+                return False
+            if x in self.members:
+                return self(x)
+            # a value from outside the region (the validity mask, a cast of it) reshaped or
+            # expanded into it: 0 at padding where its value at a padded token is
+            value = self._value(x)
+            return (not isinstance(value, _Any) and isinstance(value, (torch.Tensor, bool, int, float))
+                    and bool((torch.as_tensor(value) == 0).all()))
         if op == "linear":
             bias = arg(n, 2, "bias")
             return bias is None and x in self.members and self(x)

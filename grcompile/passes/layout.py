@@ -267,6 +267,19 @@ def _einsum(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
     return None
 
 
+def _addmm(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
+    """``addmm(bias, x, w)`` = ``beta·bias + alpha·(x @ w)`` on a 2-D ``x``: each row of ``x`` is
+    mapped on its own (a linear over the feature axis, HF's ``Conv1D``), whatever alpha and beta,
+    as long as neither ``bias`` nor ``w`` is a padded tensor."""
+    bias, x, w = arg(node, 0, "input"), arg(node, 1, "mat1"), arg(node, 2, "mat2")
+    lx = _layout(env, x)
+    if not isinstance(lx, (Token, Flat)) or lx.ndim != 2 or _touches(lx, {1}):
+        return None
+    if _layout(env, bias) is not None or _layout(env, w) is not None:
+        return None
+    return lx
+
+
 def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
     """The layout of ``node``'s output given its inputs' layouts in ``env``."""
     op = canonical(node)
@@ -289,9 +302,15 @@ def propagate(node: fx.Node, env: dict[fx.Node, Layout]) -> Layout:
         return lx if isinstance(lx, (Token, Flat, Pair)) else None
     if op == "bucketize":  # pointwise in x; the boundaries (1-D) do not broadcast with it
         return lx if isinstance(lx, (Token, Flat, Pair)) and in_shape is not None and len(in_shape) == nd else None
+    if op == "addmm":
+        return _addmm(node, env)
     if not isinstance(lx, (Token, Flat, Pair, TupleOf)) and op not in ("matmul", "einsum", "embedding", "getitem",
                                                                   "tril", "triu", "cat", "arange", "fused_attention"):
         return None
+    if op == "factory":  # zeros_like(ids), full_like(x, v): a constant laid out like x
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        same = in_shape is not None and len(in_shape) == nd and all(known_eq(a, b) for a, b in zip(in_shape, out_shape))
+        return lx if name.endswith("_like") and same and isinstance(lx, (Token, Flat)) else None
     if op == "unsqueeze":
         d = _norm_dim(arg(node, 1, "dim"), nd)
         return _shift(lx, lambda a: a + (a >= d), nd)

@@ -81,6 +81,8 @@ _register("cat", torch.cat, torch.concat, torch.concatenate)
 _register("getitem", operator.getitem)
 # row-wise library ops
 _register("linear", F.linear, torch._C._nn.linear)
+# addmm(bias, x, w, beta=, alpha=) = beta·bias + alpha·(x @ w): a linear map of x's rows (HF's Conv1D)
+_register("addmm", torch.addmm, methods=("addmm",))
 _register("layer_norm", F.layer_norm, torch.layer_norm)
 _register("rms_norm", F.rms_norm, *([torch.rms_norm] if hasattr(torch, "rms_norm") else []))
 _register("normalize", F.normalize)

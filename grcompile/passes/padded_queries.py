@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .attention_capture import ANY, _Any, _eval_abstract, side_value
+from .attention_capture import _SHAPE_ONLY, ANY, _Any, _eval_abstract, side_value
 from .exit_checks import build_read_check
 from . import ignored_loss
 from .jagged_exits import confined_row_axes, prove_reads_valid, selection_kind
@@ -145,6 +145,9 @@ def _known_at_padding(n: fx.Node, tainted: set[fx.Node], layouts: dict, validity
         unaligned = unaligned_value(a, layouts)
         if unaligned is not None:
             return unaligned
+        if depth and a not in validity and a not in padding and canonical(a) in _SHAPE_ONLY and \
+                isinstance(a.args[0], fx.Node):
+            return value(a.args[0], depth - 1)  # one token's value: where it moves (to symbolic sizes) does not matter
         if depth and a not in validity and a not in padding and canonical(a) in _FOLLOW:
             try:  # the per-token math on the masks (nan_to_num of a sequence softmax, casts, views)
                 return _eval_abstract(a, fx.node.map_arg(a.args, lambda b: value(b, depth - 1)),

@@ -170,6 +170,22 @@ def hoist_sizes(gm: fx.GraphModule) -> int:
             continue
         n.replace_all_uses_with(replacement)
         count += 1
+    for n in list(gm.graph.nodes):  # x.size() as a whole (expand(x.size()), view(x.size())): each size read from an input
+        if not (n.op == "call_method" and n.target == "size" and len(n.args) == 1 and not n.kwargs
+                and isinstance(n.args[0], fx.Node) and n.args[0].op != "placeholder"):
+            continue
+        value = n.meta.get("example_value", n.meta.get("val"))
+        if not isinstance(value, torch.Size) or not n.users or any(
+                u.op == "call_method" and u.args and u.args[0] is n for u in n.users):
+            continue  # size.numel(), ...: a method of torch.Size, not of the tuple it would become
+        try:
+            parts = tuple(sizes(s) for s in value)
+        except Unresolved:
+            continue
+        for user in list(n.users):
+            user.args = fx.node.map_arg(user.args, lambda a: parts if a is n else a)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda a: parts if a is n else a)
+        count += 1
     if count:
         remove_dead_code(gm.graph)
     return count

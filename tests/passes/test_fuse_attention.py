@@ -208,3 +208,41 @@ def test_explain_cli_prints_report_and_op_counts(capsys, tmp_path):
     assert "torch.ops.grcompile.score_mod_attention.default +2" in out
     stage = report.passes.index("fuse_attention") + 1  # dumps are numbered by pipeline position
     assert len(report.rewrites) == 2 and (tmp_path / "graph_0" / f"{stage:02d}-fuse_attention.py").exists()
+
+
+class RotaryUnderAutocast(nn.Module):
+    """LLaMA-style: q and k rotated by float32 cos / sin tables after bf16 projections (under
+    autocast, bf16 * float32 is float32), v straight from its bf16 projection; the scores' and
+    ``weights @ v``'s matmuls run in bf16 (autocast casts their operands)."""
+
+    def __init__(self, d=16, n=8):
+        super().__init__()
+        self.emb = nn.Embedding(50, d, padding_idx=0)
+        self.wq, self.wk, self.wv = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.register_buffer("cos", torch.cos(torch.arange(n)[:, None] * torch.linspace(0.1, 1.0, d)[None]))
+
+    def forward(self, ids):
+        n = ids.shape[1]
+        valid = ids != 0
+        x = self.emb(ids)
+        q, k, v = self.wq(x) * self.cos[:n], self.wk(x) * self.cos[:n], self.wv(x)
+        s = (q @ k.transpose(1, 2) / 4.0).masked_fill(~valid[:, None, :], float("-inf"))
+        return (torch.softmax(s, -1) @ v) * valid[..., None]
+
+
+def test_operands_of_mixed_dtypes_under_autocast_are_cast_as_eager_casts_them():
+    """Regression (zoo: llama_rope_rmsnorm under bf16 autocast): q and k were float32, v bf16, and
+    the fused op raised 'q, k, v must share one dtype' on code eager runs."""
+    torch.manual_seed(0)
+    model = RotaryUnderAutocast()
+    fast = grcompile.optimize(model, lowering="eager")
+    ids, _ = random_batch([0, 1, 8, 5], 8)
+    ids[0, 0] = 3  # no empty row: its all -inf softmax is NaN in eager
+    valid = (ids != 0)[..., None]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = model(ids), fast(ids)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(torch.where(valid, got, 0).float(), torch.where(valid, want, 0).float(),
+                               rtol=2e-2, atol=2e-2)
+    report = grcompile.report(fast)
+    assert report.counters.get("fuse_attention.score_mod_attention") == 1, str(report)

@@ -175,3 +175,111 @@ def test_scores_filled_in_place_fuse_and_equal_eager(fills, tmp_path):
     else:
         assert report.counters["fuse_attention.score_mod_attention"] == 1, str(report)
         assert not [f for f in report.fallbacks if f["pass"] == "fuse_attention"], str(report)
+
+
+class MaskWrittenInPlace(nn.Module):
+    """The additive mask is built (key padding + causal), then overwritten in place before the
+    scores read it: ``whole`` — HF LLaMA's ``mask[..., :N] = mask[..., :N].masked_fill(...)`` over
+    every element (the causal part replaced by the key padding alone); ``partial`` — only the
+    first half of the keys. The capture reads the mask as defined: fused as is, it would apply the
+    causal part eager no longer has."""
+
+    def __init__(self, write: str):
+        super().__init__()
+        self.write = write
+        self.emb = nn.Embedding(40, 8, padding_idx=0)
+        self.wq, self.wk, self.wv = (nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, ids):
+        B, N = ids.shape
+        valid = ids != 0
+        x = self.emb(ids)
+        keymask = torch.zeros(B, N, N).masked_fill(~valid[:, None, :], -1e9)
+        m = keymask + torch.full((N, N), -1e9).triu(1)
+        if self.write == "whole":
+            m[:, :, :N] = m[:, :, :N].clamp(min=0.0).masked_fill(~valid[:, None, :], -1e9)
+        elif self.write == "partial":
+            m[:, :, : N // 2] = keymask[:, :, : N // 2]
+        s = self.wq(x) @ self.wk(x).transpose(1, 2) + m
+        return (torch.softmax(s, -1) @ self.wv(x)) * valid[..., None]
+
+
+@pytest.mark.parametrize("write", ["none", "whole", "partial"])
+def test_mask_written_in_place_before_the_scores_read_it(write):
+    """Regression (zoo review, llama_rope_rmsnorm): an in-place write into a value of the score
+    region (an indexed assignment into the mask) was not seen by the capture: the fused attention
+    applied the mask as defined, wrong by ~2 at valid positions. A write of every element is now
+    read as the value it leaves (fused, exact); any other write keeps the attention as written."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = MaskWrittenInPlace(write)
+    model = copy.deepcopy(eager)
+    optimized = grcompile.optimize(model, lowering="eager")
+    ids = _batch(5, 8)
+    want, got = eager(ids), optimized(ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
+    report = grcompile.report(optimized)
+    fused = report.counters.get("fuse_attention.score_mod_attention", 0)
+    if write == "partial":
+        assert fused == 0, str(report)
+        assert any(f["pass"] == "fuse_attention" and "is written in place by indexed assignment" in f["reason"]
+                   and "test_in_place_writes.py:" in f["site"] for f in report.fallbacks), report.fallbacks
+    else:
+        assert fused == 1, str(report)
+        assert report.counters.get("fuse_attention.setitem_functionalised", 0) == (write == "whole"), str(report)
+
+
+def test_sizes_passed_to_a_view_do_not_alias_the_written_tensor():
+    """Regression (llama_rope_rmsnorm, shape change): ``mask[None].expand(B, ...)`` then ``mask *= c``
+    linked the symbolic size B to the written storage, so every reader of B (the attention's
+    reshapes) counted as reading a written tensor: the fusion refused."""
+    g = torch.fx.Graph()
+    a, c = g.placeholder("a"), g.placeholder("c")
+    b = g.call_method("size", (c, 0))
+    b.meta["example_value"] = 5
+    e = g.call_method("expand", (a, b, 4))
+    w = g.call_method("mul_", (e, 2.0))
+    g.output((w, b))
+    aliases = written_aliases(g)
+    assert e in aliases and a in aliases and b not in aliases and c not in aliases
+
+
+class CausalMaskMultipliedInPlace(nn.Module):
+    """HF's causal mask: ``full(finfo.min).triu(1)`` then ``mask *= arange > position`` in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(40, 8, padding_idx=0)
+        self.wq, self.wk, self.wv = (nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, ids):
+        N = ids.shape[1]
+        valid = ids != 0
+        x = self.emb(ids)
+        mask = torch.full((N, N), torch.finfo(x.dtype).min).triu(1)
+        mask *= torch.arange(N) > torch.arange(N).reshape(-1, 1)
+        mask = mask.masked_fill(~valid[:, None, :], torch.finfo(x.dtype).min)
+        s = self.wq(x) @ self.wk(x).transpose(1, 2) + mask
+        return (torch.softmax(s, -1) @ self.wv(x)) * valid[..., None]
+
+
+def test_in_place_product_in_the_mask_is_captured_out_of_place(tmp_path):
+    """Regression (llama_rope_rmsnorm with the Triton kernels): the captured score_mod kept the
+    user's ``*=`` (operator.imul), which the Triton score_mod generator does not know: every call
+    went to the reference kernel. Captured as a product (in the written tensor's dtype)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = CausalMaskMultipliedInPlace()
+    model = copy.deepcopy(eager)
+    optimized = grcompile.optimize(model, lowering="eager", dump_dir=tmp_path)
+    ids = _batch(5, 8)
+    want, got = eager(ids), optimized(ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert grcompile.report(optimized).counters.get("fuse_attention.score_mod_attention") == 1
+    code = ["\n".join(line for line in m.read_text().splitlines() if not line.strip().startswith("#"))
+            for m in tmp_path.glob("graph_0/score_mods/*.py")]  # the comments quote the user's line
+    assert code and all("*=" not in c and "imul" not in c for c in code), code

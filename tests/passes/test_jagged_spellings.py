@@ -442,6 +442,75 @@ def test_positions_tiled_over_rows():
     assert {"embedding", "linear"} <= set(jagged_ops(report)) and jagged_fallbacks(report) == []
 
 
+class HFSpellings(nn.Module):
+    """HuggingFace spellings (zoo: gpt2_buffer_mask, hf_extended_mask, alibi_bias): validity as
+    ``ids.bool()``, positions ``arange(0, N, dtype=long)``, token types ``zeros_like(ids)``, GPT-2's
+    ``Conv1D`` (``torch.addmm(b, x.view(-1, nx), w).view(...)``), a causal buffer sliced
+    ``[:, :N, :N]`` and compared ``== 0``, and sentence-transformers' mean pooling over
+    ``mask.long().unsqueeze(-1).expand(h.size()).float()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.item, self.pos, self.types = nn.Embedding(V, D, padding_idx=0), nn.Embedding(N, D), nn.Embedding(2, D)
+        self.w_attn = nn.Parameter(torch.randn(D, 3 * D) * 0.3)
+        self.b_attn = nn.Parameter(torch.randn(3 * D) * 0.1)
+        self.register_buffer("bias", torch.tril(torch.ones(N, N)).view(1, N, N))
+
+    def forward(self, ids):
+        valid = ids.bool()
+        n = ids.shape[1]
+        x = self.item(ids) + self.pos(torch.arange(0, n, dtype=torch.long)) + self.types(torch.zeros_like(ids))
+        qkv = torch.addmm(self.b_attn, x.view(-1, D), self.w_attn).view(ids.shape[0], n, 3 * D)
+        q, k, v = qkv.split(D, dim=2)
+        att = (q @ k.transpose(-2, -1)).masked_fill(self.bias[:, :n, :n] == 0, float("-inf"))
+        att = att.masked_fill(~valid[:, None, :], torch.finfo(att.dtype).min)
+        h = x + torch.softmax(att, dim=-1) @ v
+        m = valid.long().unsqueeze(-1).expand(h.size()).float()
+        return torch.sum(h * m, 1) / torch.clamp(m.sum(1), min=1e-9)
+
+
+def test_hf_spellings_fuse_and_go_jagged():
+    """Regression (zoo review): addmm had no layout (the attention behind GPT-2's Conv1D was never
+    matched, silently), ``ids.bool()`` was no validity, ``arange(0, N)`` no positions,
+    ``zeros_like(ids)`` no token tensor, and a mask reshaped from outside the region was not
+    0 at padding: each kept the model dense."""
+    torch.manual_seed(11)
+    model = HFSpellings().double()
+    nonempty = lambda ids: (ids != 0).any(1)  # noqa: E731
+    optimized, report = check(model, (make_ids([0, 1, N, 3, 6]),), rows(nonempty), train=True)
+    check(model, (make_ids([N, 2, 0, 5, 1], seed=3),), rows(nonempty), train=False, optimized=optimized)
+    assert report.counters.get("fuse_attention.score_mod_attention") == 1, str(report)
+    assert counter(report, "addmm_as_linear") == 1 and "linear" in jagged_ops(report), str(report)
+    assert counter(report, "exit_segment_sum") == 2  # the masked sum and the mask's count
+    assert jagged_fallbacks(report) == [] and not report.fallbacks, report.fallbacks
+
+
+class ShortBatchPositions(nn.Module):
+    """Position tables longer than the batch's N (max_len 2N): BERT's ``position_ids`` buffer
+    sliced ``[:, :N]`` and a table sliced ``weight[:N]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.item, self.pos, self.pos2 = nn.Embedding(V, D, padding_idx=0), nn.Embedding(2 * N, D), nn.Embedding(2 * N, D)
+        self.register_buffer("position_ids", torch.arange(2 * N).expand((1, -1)), persistent=False)
+        self.ff = nn.Linear(D, D)
+
+    def forward(self, ids):
+        n = ids.shape[1]
+        x = self.item(ids) + self.pos(self.position_ids[:, :n]) + self.pos2.weight[:n]
+        return F.gelu(self.ff(x)) * (ids != 0).unsqueeze(-1)
+
+
+def test_position_tables_longer_than_the_batch():
+    """Regression (zoo review): with N below the tables' length the sliced table had no layout
+    (its axis is not the positions' by size), so the block stayed dense whenever the first batch
+    was shorter than max_len (every zoo model with a position table)."""
+    torch.manual_seed(12)
+    model = ShortBatchPositions().double()
+    _, report = check(model, (make_ids([0, 1, N, 3]),), tokens(lambda ids: ids != 0))
+    assert {"embedding", "linear"} <= set(jagged_ops(report)) and jagged_fallbacks(report) == [], str(report)
+
+
 class RowVarying(nn.Module):
     """A position term plus a value that varies over the rows through an op without a layout
     (``flip`` over the batch): the sum has no batch axis in its layout, but one row may not

@@ -25,7 +25,10 @@ INDUCTOR_DEFAULT = ["recbole_sasrec", "linrec"]
 
 # model -> what today's pipeline does not deliver of its EXPECT (strict xfail: a pass that starts
 # to deliver it turns the test into a failure, and the entry is then removed)
-NOT_YET: dict[str, str] = {}
+NOT_YET: dict[str, str] = {
+    "llama_rope_rmsnorm": "the rotary cos/sin tables are computed from cumsum position ids (a scan along the "
+                          "positions has no row-wise layout), so the rotations and what reads them stay dense",
+}
 
 # model -> why its no_grad eval graph (inference) does not fuse what its training graph fuses
 NOT_YET_EVAL: dict[str, str] = {}
