@@ -15,24 +15,24 @@ class GraphModule(torch.nn.Module):
         l_self_modules_blocks_modules_0_modules_output_parameters_weight_ = L_self_modules_blocks_modules_0_modules_output_parameters_weight_
         l_self_modules_blocks_modules_0_modules_output_parameters_bias_ = L_self_modules_blocks_modules_0_modules_output_parameters_bias_
 
-        # File: common.py:44 in forward, code: valid = ids != self.config.pad_id
+        # File: common.py:53 in forward, code: valid = ids != self.config.pad_id
         valid: "b8[4, 8]" = l_ids_ != 0
 
-        # File: common.py:45 in forward, code: positions = torch.arange(N, device=ids.device)
+        # File: common.py:54 in forward, code: positions = torch.arange(N, device=ids.device)
         positions: "i64[8]" = torch.arange(8, device = device(type='cpu'))
 
-        # File: common.py:46 in forward, code: x = self.item_embedding(ids)
+        # File: common.py:55 in forward, code: x = self.item_embedding(ids)
         x: "f32[4, 8, 8]" = torch.nn.functional.embedding(l_ids_, l_self_modules_item_embedding_parameters_weight_, 0, None, 2.0, False, False);  l_ids_ = l_self_modules_item_embedding_parameters_weight_ = None
 
-        # File: common.py:49 in forward, code: x = x * math.sqrt(self.config.embedding_dim)
+        # File: common.py:58 in forward, code: x = x * math.sqrt(self.config.embedding_dim)
         x_1: "f32[4, 8, 8]" = x * 2.8284271247461903;  x = None
 
-        # File: common.py:50 in forward, code: x = x + self.position_embedding(positions).unsqueeze(0)
+        # File: common.py:59 in forward, code: x = x + self.position_embedding(positions).unsqueeze(0)
         embedding_1: "f32[8, 8]" = torch.nn.functional.embedding(positions, l_self_modules_position_embedding_parameters_weight_, None, None, 2.0, False, False);  positions = l_self_modules_position_embedding_parameters_weight_ = None
         unsqueeze: "f32[1, 8, 8]" = embedding_1.unsqueeze(0);  embedding_1 = None
         x_2: "f32[4, 8, 8]" = x_1 + unsqueeze;  x_1 = unsqueeze = None
 
-        # File: common.py:51 in forward, code: x = self.input_dropout(x) * valid.unsqueeze(-1)
+        # File: common.py:60 in forward, code: x = self.input_dropout(x) * valid.unsqueeze(-1)
         dropout: "f32[4, 8, 8]" = torch.nn.functional.dropout(x_2, 0.0, True, False);  x_2 = None
         unsqueeze_1: "b8[4, 8, 1]" = valid.unsqueeze(-1)
         x_3: "f32[4, 8, 8]" = dropout * unsqueeze_1;  dropout = unsqueeze_1 = None
@@ -61,15 +61,15 @@ class GraphModule(torch.nn.Module):
         view_2: "f32[4, 8, 2, 4]" = v.view(4, 8, 2, 4);  v = None
         v_1: "f32[4, 2, 8, 4]" = view_2.transpose(1, 2);  view_2 = None
 
-        # File: common.py:81 in forward, code: positions = torch.arange(N, device=device)
+        # File: common.py:90 in forward, code: positions = torch.arange(N, device=device)
         positions_1: "i64[8]" = torch.arange(8, device = device(type='cpu'))
 
-        # File: common.py:82 in forward, code: relative = positions.unsqueeze(0) - positions.unsqueeze(1)  # [i, j] -> j - i
+        # File: common.py:91 in forward, code: relative = positions.unsqueeze(0) - positions.unsqueeze(1)  # [i, j] -> j - i
         unsqueeze_2: "i64[1, 8]" = positions_1.unsqueeze(0)
         unsqueeze_3: "i64[8, 1]" = positions_1.unsqueeze(1);  positions_1 = None
         relative: "i64[8, 8]" = unsqueeze_2 - unsqueeze_3;  unsqueeze_2 = unsqueeze_3 = None
 
-        # File: common.py:83 in forward, code: return self.weight[relative + self.max_len - 1]  # [N, N]
+        # File: common.py:92 in forward, code: return self.weight[relative + self.max_len - 1]  # [N, N]
         add_1: "i64[8, 8]" = relative + 8;  relative = None
         sub_1: "i64[8, 8]" = add_1 - 1;  add_1 = None
         getitem_4: "f32[8, 8]" = l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_[sub_1];  l_self_modules_blocks_modules_0_modules_position_bias_parameters_weight_ = sub_1 = None
@@ -77,35 +77,35 @@ class GraphModule(torch.nn.Module):
         # File: hstu.py:33 in forward, code: rab = self.position_bias(N, x.device).unsqueeze(0) + self.time_bias(timestamps, valid)
         unsqueeze_4: "f32[1, 8, 8]" = getitem_4.unsqueeze(0);  getitem_4 = None
 
-        # File: common.py:100 in forward, code: next_ts = torch.cat([timestamps[:, 1:], timestamps[:, -1:]], dim=1)
+        # File: common.py:109 in forward, code: next_ts = torch.cat([timestamps[:, 1:], timestamps[:, -1:]], dim=1)
         getitem_5: "i64[4, 7]" = l_timestamps_[(slice(None, None, None), slice(1, None, None))]
         getitem_6: "i64[4, 1]" = l_timestamps_[(slice(None, None, None), slice(-1, None, None))]
         next_ts: "i64[4, 8]" = torch.cat([getitem_5, getitem_6], dim = 1);  getitem_5 = getitem_6 = None
 
-        # File: common.py:101 in forward, code: next_valid = torch.cat([valid[:, 1:], torch.zeros_like(valid[:, :1])], dim=1)
+        # File: common.py:110 in forward, code: next_valid = torch.cat([valid[:, 1:], torch.zeros_like(valid[:, :1])], dim=1)
         getitem_7: "b8[4, 7]" = valid[(slice(None, None, None), slice(1, None, None))]
         getitem_8: "b8[4, 1]" = valid[(slice(None, None, None), slice(None, 1, None))]
         zeros_like: "b8[4, 1]" = torch.zeros_like(getitem_8);  getitem_8 = None
         next_valid: "b8[4, 8]" = torch.cat([getitem_7, zeros_like], dim = 1);  getitem_7 = zeros_like = None
 
-        # File: common.py:102 in forward, code: query_ts = torch.where(next_valid, next_ts, timestamps)
+        # File: common.py:111 in forward, code: query_ts = torch.where(next_valid, next_ts, timestamps)
         query_ts: "i64[4, 8]" = torch.where(next_valid, next_ts, l_timestamps_);  next_valid = next_ts = None
 
-        # File: common.py:103 in forward, code: delta = (query_ts.unsqueeze(2) - timestamps.unsqueeze(1)).abs().clamp(min=1)
+        # File: common.py:112 in forward, code: delta = (query_ts.unsqueeze(2) - timestamps.unsqueeze(1)).abs().clamp(min=1)
         unsqueeze_5: "i64[4, 8, 1]" = query_ts.unsqueeze(2);  query_ts = None
         unsqueeze_6: "i64[4, 1, 8]" = l_timestamps_.unsqueeze(1);  l_timestamps_ = None
         sub_2: "i64[4, 8, 8]" = unsqueeze_5 - unsqueeze_6;  unsqueeze_5 = unsqueeze_6 = None
         abs_1: "i64[4, 8, 8]" = sub_2.abs();  sub_2 = None
         delta: "i64[4, 8, 8]" = abs_1.clamp(min = 1);  abs_1 = None
 
-        # File: common.py:104 in forward, code: buckets = (torch.log(delta.float()) / 0.301).long().clamp(0, self.num_buckets)
+        # File: common.py:113 in forward, code: buckets = (torch.log(delta.float()) / 0.301).long().clamp(0, self.num_buckets)
         float_1: "f32[4, 8, 8]" = delta.float();  delta = None
         log: "f32[4, 8, 8]" = torch.log(float_1);  float_1 = None
         truediv: "f32[4, 8, 8]" = log / 0.301;  log = None
         long: "i64[4, 8, 8]" = truediv.long();  truediv = None
         buckets: "i64[4, 8, 8]" = long.clamp(0, 128);  long = None
 
-        # File: common.py:105 in forward, code: return self.weight[buckets]  # [B, N, N]
+        # File: common.py:114 in forward, code: return self.weight[buckets]  # [B, N, N]
         getitem_9: "f32[4, 8, 8]" = l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_[buckets];  l_self_modules_blocks_modules_0_modules_time_bias_parameters_weight_ = buckets = None
 
         # File: hstu.py:33 in forward, code: rab = self.position_bias(N, x.device).unsqueeze(0) + self.time_bias(timestamps, valid)
@@ -121,11 +121,11 @@ class GraphModule(torch.nn.Module):
         silu_1: "f32[4, 2, 8, 8]" = torch.nn.functional.silu(scores);  scores = None
         attn: "f32[4, 2, 8, 8]" = silu_1 / 8;  silu_1 = None
 
-        # File: common.py:68 in causal_padding_mask, code: causal = torch.tril(torch.ones(N, N, dtype=torch.bool, device=valid.device))
+        # File: common.py:77 in causal_padding_mask, code: causal = torch.tril(torch.ones(N, N, dtype=torch.bool, device=valid.device))
         ones: "b8[8, 8]" = torch.ones(8, 8, dtype = torch.bool, device = device(type='cpu'))
         causal: "b8[8, 8]" = torch.tril(ones);  ones = None
 
-        # File: common.py:69 in causal_padding_mask, code: return causal.unsqueeze(0) & valid.unsqueeze(1) & valid.unsqueeze(2)
+        # File: common.py:78 in causal_padding_mask, code: return causal.unsqueeze(0) & valid.unsqueeze(1) & valid.unsqueeze(2)
         unsqueeze_8: "b8[1, 8, 8]" = causal.unsqueeze(0);  causal = None
         unsqueeze_9: "b8[4, 1, 8]" = valid.unsqueeze(1)
         and_: "b8[4, 8, 8]" = unsqueeze_8 & unsqueeze_9;  unsqueeze_8 = unsqueeze_9 = None
@@ -150,7 +150,7 @@ class GraphModule(torch.nn.Module):
         linear_1: "f32[4, 8, 8]" = torch._C._nn.linear(dropout_1, l_self_modules_blocks_modules_0_modules_output_parameters_weight_, l_self_modules_blocks_modules_0_modules_output_parameters_bias_);  dropout_1 = l_self_modules_blocks_modules_0_modules_output_parameters_weight_ = l_self_modules_blocks_modules_0_modules_output_parameters_bias_ = None
         x_4: "f32[4, 8, 8]" = x_3 + linear_1;  x_3 = linear_1 = None
 
-        # File: common.py:53 in forward, code: return F.normalize(x, dim=-1) * valid.unsqueeze(-1)
+        # File: common.py:62 in forward, code: return F.normalize(x, dim=-1) * valid.unsqueeze(-1)
         normalize: "f32[4, 8, 8]" = torch.nn.functional.normalize(x_4, dim = -1);  x_4 = None
         unsqueeze_12: "b8[4, 8, 1]" = valid.unsqueeze(-1);  valid = None
         mul_4: "f32[4, 8, 8]" = normalize * unsqueeze_12;  normalize = unsqueeze_12 = None

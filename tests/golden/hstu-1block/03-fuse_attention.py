@@ -17,25 +17,25 @@ class GraphModule(torch.nn.Module):
         l_self_modules_blocks_modules_0_modules_output_parameters_weight_ = L_self_modules_blocks_modules_0_modules_output_parameters_weight_
         l_self_modules_blocks_modules_0_modules_output_parameters_bias_ = L_self_modules_blocks_modules_0_modules_output_parameters_bias_
 
-        # File: common.py:44 in forward, code: valid = ids != self.config.pad_id
+        # File: common.py:53 in forward, code: valid = ids != self.config.pad_id
         valid: "b8[4, 8]" = l_ids_ != 0
 
-        # File: common.py:45 in forward, code: positions = torch.arange(N, device=ids.device)
+        # File: common.py:54 in forward, code: positions = torch.arange(N, device=ids.device)
         positions: "i64[8]" = torch.arange(8, device = device(type='cpu'))
 
-        # File: common.py:46 in forward, code: x = self.item_embedding(ids)
-        check_index_default: "i64[4, 8]" = torch.ops.grcompile.check_index.default(l_ids_, 0, 21, "of item_embedding (21 rows) in input 'ids', looked up at common.py:46 in forward");  check_index_default = None
+        # File: common.py:55 in forward, code: x = self.item_embedding(ids)
+        check_index_default: "i64[4, 8]" = torch.ops.grcompile.check_index.default(l_ids_, 0, 21, "of item_embedding (21 rows) in input 'ids', looked up at common.py:55 in forward");  check_index_default = None
         x: "f32[4, 8, 8]" = torch.nn.functional.embedding(l_ids_, l_self_modules_item_embedding_parameters_weight_, 0, None, 2.0, False, False);  l_ids_ = l_self_modules_item_embedding_parameters_weight_ = None
 
-        # File: common.py:49 in forward, code: x = x * math.sqrt(self.config.embedding_dim)
+        # File: common.py:58 in forward, code: x = x * math.sqrt(self.config.embedding_dim)
         x_1: "f32[4, 8, 8]" = x * 2.8284271247461903;  x = None
 
-        # File: common.py:50 in forward, code: x = x + self.position_embedding(positions).unsqueeze(0)
+        # File: common.py:59 in forward, code: x = x + self.position_embedding(positions).unsqueeze(0)
         embedding_1: "f32[8, 8]" = torch.nn.functional.embedding(positions, l_self_modules_position_embedding_parameters_weight_, None, None, 2.0, False, False);  positions = l_self_modules_position_embedding_parameters_weight_ = None
         unsqueeze: "f32[1, 8, 8]" = embedding_1.unsqueeze(0);  embedding_1 = None
         x_2: "f32[4, 8, 8]" = x_1 + unsqueeze;  x_1 = unsqueeze = None
 
-        # File: common.py:51 in forward, code: x = self.input_dropout(x) * valid.unsqueeze(-1)
+        # File: common.py:60 in forward, code: x = self.input_dropout(x) * valid.unsqueeze(-1)
         dropout: "f32[4, 8, 8]" = torch.nn.functional.dropout(x_2, 0.0, True, False);  x_2 = None
         unsqueeze_1: "b8[4, 8, 1]" = valid.unsqueeze(-1)
         x_3: "f32[4, 8, 8]" = dropout * unsqueeze_1;  dropout = unsqueeze_1 = None
@@ -64,18 +64,18 @@ class GraphModule(torch.nn.Module):
         view_2: "f32[4, 8, 2, 4]" = v.view(4, 8, 2, 4);  v = None
         v_1: "f32[4, 2, 8, 4]" = view_2.transpose(1, 2);  view_2 = None
 
-        # File: common.py:100 in forward, code: next_ts = torch.cat([timestamps[:, 1:], timestamps[:, -1:]], dim=1)
+        # File: common.py:109 in forward, code: next_ts = torch.cat([timestamps[:, 1:], timestamps[:, -1:]], dim=1)
         getitem_5: "i64[4, 7]" = l_timestamps_[(slice(None, None, None), slice(1, None, None))]
         getitem_6: "i64[4, 1]" = l_timestamps_[(slice(None, None, None), slice(-1, None, None))]
         next_ts: "i64[4, 8]" = torch.cat([getitem_5, getitem_6], dim = 1);  getitem_5 = getitem_6 = None
 
-        # File: common.py:101 in forward, code: next_valid = torch.cat([valid[:, 1:], torch.zeros_like(valid[:, :1])], dim=1)
+        # File: common.py:110 in forward, code: next_valid = torch.cat([valid[:, 1:], torch.zeros_like(valid[:, :1])], dim=1)
         getitem_7: "b8[4, 7]" = valid[(slice(None, None, None), slice(1, None, None))]
         getitem_8: "b8[4, 1]" = valid[(slice(None, None, None), slice(None, 1, None))]
         zeros_like: "b8[4, 1]" = torch.zeros_like(getitem_8);  getitem_8 = None
         next_valid: "b8[4, 8]" = torch.cat([getitem_7, zeros_like], dim = 1);  getitem_7 = zeros_like = None
 
-        # File: common.py:102 in forward, code: query_ts = torch.where(next_valid, next_ts, timestamps)
+        # File: common.py:111 in forward, code: query_ts = torch.where(next_valid, next_ts, timestamps)
         query_ts: "i64[4, 8]" = torch.where(next_valid, next_ts, l_timestamps_);  next_valid = next_ts = None
 
         # File: hstu.py:34 in forward, code: scores = torch.matmul(q, k.transpose(-2, -1)) + rab.unsqueeze(1)
@@ -109,7 +109,7 @@ class GraphModule(torch.nn.Module):
         linear_1: "f32[4, 8, 8]" = torch._C._nn.linear(dropout_1, l_self_modules_blocks_modules_0_modules_output_parameters_weight_, l_self_modules_blocks_modules_0_modules_output_parameters_bias_);  dropout_1 = l_self_modules_blocks_modules_0_modules_output_parameters_weight_ = l_self_modules_blocks_modules_0_modules_output_parameters_bias_ = None
         x_4: "f32[4, 8, 8]" = x_3 + linear_1;  x_3 = linear_1 = None
 
-        # File: common.py:53 in forward, code: return F.normalize(x, dim=-1) * valid.unsqueeze(-1)
+        # File: common.py:62 in forward, code: return F.normalize(x, dim=-1) * valid.unsqueeze(-1)
         normalize: "f32[4, 8, 8]" = torch.nn.functional.normalize(x_4, dim = -1);  x_4 = None
         unsqueeze_12: "b8[4, 8, 1]" = valid.unsqueeze(-1);  valid = None
         mul_4: "f32[4, 8, 8]" = normalize * unsqueeze_12;  normalize = unsqueeze_12 = None

@@ -18,7 +18,7 @@ class GraphModule(torch.nn.Module):
         l_self_modules_blocks_modules_0_modules_output_parameters_weight_ = L_self_modules_blocks_modules_0_modules_output_parameters_weight_
         l_self_modules_blocks_modules_0_modules_output_parameters_bias_ = L_self_modules_blocks_modules_0_modules_output_parameters_bias_
 
-        # File: common.py:44 in forward, code: valid = ids != self.config.pad_id
+        # File: common.py:53 in forward, code: valid = ids != self.config.pad_id
         valid: "b8[4, 8]" = l_ids_ != 0
 
         # No stacktrace found for following nodes
@@ -28,17 +28,17 @@ class GraphModule(torch.nn.Module):
         flatten: "i64[32]" = l_ids_.flatten(0, 1)
         getitem_10: "i64[u0]" = flatten[pack_index_default];  flatten = None
 
-        # File: common.py:45 in forward, code: positions = torch.arange(N, device=ids.device)
+        # File: common.py:54 in forward, code: positions = torch.arange(N, device=ids.device)
         positions: "i64[8]" = torch.arange(8, device = device(type='cpu'))
 
-        # File: common.py:46 in forward, code: x = self.item_embedding(ids)
-        check_index_default: "i64[4, 8]" = torch.ops.grcompile.check_index.default(l_ids_, 0, 21, "of item_embedding (21 rows) in input 'ids', looked up at common.py:46 in forward");  l_ids_ = check_index_default = None
+        # File: common.py:55 in forward, code: x = self.item_embedding(ids)
+        check_index_default: "i64[4, 8]" = torch.ops.grcompile.check_index.default(l_ids_, 0, 21, "of item_embedding (21 rows) in input 'ids', looked up at common.py:55 in forward");  l_ids_ = check_index_default = None
         embedding_2: "f32[u0, 8]" = torch.nn.functional.embedding(getitem_10, l_self_modules_item_embedding_parameters_weight_, 0, None, 2.0, False, False);  getitem_10 = l_self_modules_item_embedding_parameters_weight_ = None
 
-        # File: common.py:49 in forward, code: x = x * math.sqrt(self.config.embedding_dim)
+        # File: common.py:58 in forward, code: x = x * math.sqrt(self.config.embedding_dim)
         mul_5: "f32[u0, 8]" = embedding_2 * 2.8284271247461903;  embedding_2 = None
 
-        # File: common.py:50 in forward, code: x = x + self.position_embedding(positions).unsqueeze(0)
+        # File: common.py:59 in forward, code: x = x + self.position_embedding(positions).unsqueeze(0)
         embedding_1: "f32[8, 8]" = torch.nn.functional.embedding(positions, l_self_modules_position_embedding_parameters_weight_, None, None, 2.0, False, False);  positions = l_self_modules_position_embedding_parameters_weight_ = None
         unsqueeze: "f32[1, 8, 8]" = embedding_1.unsqueeze(0);  embedding_1 = None
 
@@ -47,10 +47,10 @@ class GraphModule(torch.nn.Module):
         getitem_11: "f32[u0, 1, 8]" = permute_4[mod];  permute_4 = None
         squeeze: "f32[u0, 8]" = getitem_11.squeeze(1);  getitem_11 = None
 
-        # File: common.py:50 in forward, code: x = x + self.position_embedding(positions).unsqueeze(0)
+        # File: common.py:59 in forward, code: x = x + self.position_embedding(positions).unsqueeze(0)
         add_5: "f32[u0, 8]" = mul_5 + squeeze;  mul_5 = squeeze = None
 
-        # File: common.py:51 in forward, code: x = self.input_dropout(x) * valid.unsqueeze(-1)
+        # File: common.py:60 in forward, code: x = self.input_dropout(x) * valid.unsqueeze(-1)
         dropout_2: "f32[u0, 8]" = torch.nn.functional.dropout(add_5, 0.0, True, False);  add_5 = None
         unsqueeze_1: "b8[4, 8, 1]" = valid.unsqueeze(-1)
 
@@ -58,7 +58,7 @@ class GraphModule(torch.nn.Module):
         flatten_1: "b8[32, 1]" = unsqueeze_1.flatten(0, 1);  unsqueeze_1 = None
         getitem_12: "b8[u0, 1]" = flatten_1[pack_index_default];  flatten_1 = None
 
-        # File: common.py:51 in forward, code: x = self.input_dropout(x) * valid.unsqueeze(-1)
+        # File: common.py:60 in forward, code: x = self.input_dropout(x) * valid.unsqueeze(-1)
         mul_6: "f32[u0, 8]" = dropout_2 * getitem_12;  dropout_2 = getitem_12 = None
 
         # File: hstu.py:27 in forward, code: normed = F.layer_norm(x, (D,), eps=1e-6)
@@ -85,18 +85,18 @@ class GraphModule(torch.nn.Module):
         reshape_3: "f32[u0, 2, 4]" = getitem_14.reshape(-1, 2, 4);  getitem_14 = None
         permute_7: "f32[u0, 2, 4]" = reshape_3.permute(0, 1, 2);  reshape_3 = None
 
-        # File: common.py:100 in forward, code: next_ts = torch.cat([timestamps[:, 1:], timestamps[:, -1:]], dim=1)
+        # File: common.py:109 in forward, code: next_ts = torch.cat([timestamps[:, 1:], timestamps[:, -1:]], dim=1)
         getitem_5: "i64[4, 7]" = l_timestamps_[(slice(None, None, None), slice(1, None, None))]
         getitem_6: "i64[4, 1]" = l_timestamps_[(slice(None, None, None), slice(-1, None, None))]
         next_ts: "i64[4, 8]" = torch.cat([getitem_5, getitem_6], dim = 1);  getitem_5 = getitem_6 = None
 
-        # File: common.py:101 in forward, code: next_valid = torch.cat([valid[:, 1:], torch.zeros_like(valid[:, :1])], dim=1)
+        # File: common.py:110 in forward, code: next_valid = torch.cat([valid[:, 1:], torch.zeros_like(valid[:, :1])], dim=1)
         getitem_7: "b8[4, 7]" = valid[(slice(None, None, None), slice(1, None, None))]
         getitem_8: "b8[4, 1]" = valid[(slice(None, None, None), slice(None, 1, None))]
         zeros_like: "b8[4, 1]" = torch.zeros_like(getitem_8);  getitem_8 = None
         next_valid: "b8[4, 8]" = torch.cat([getitem_7, zeros_like], dim = 1);  getitem_7 = zeros_like = None
 
-        # File: common.py:102 in forward, code: query_ts = torch.where(next_valid, next_ts, timestamps)
+        # File: common.py:111 in forward, code: query_ts = torch.where(next_valid, next_ts, timestamps)
         query_ts: "i64[4, 8]" = torch.where(next_valid, next_ts, l_timestamps_);  next_valid = next_ts = None
 
         # File: hstu.py:34 in forward, code: scores = torch.matmul(q, k.transpose(-2, -1)) + rab.unsqueeze(1)
@@ -137,7 +137,7 @@ class GraphModule(torch.nn.Module):
         linear_3: "f32[u0, 8]" = torch._C._nn.linear(dropout_3, l_self_modules_blocks_modules_0_modules_output_parameters_weight_, l_self_modules_blocks_modules_0_modules_output_parameters_bias_);  dropout_3 = l_self_modules_blocks_modules_0_modules_output_parameters_weight_ = l_self_modules_blocks_modules_0_modules_output_parameters_bias_ = None
         add_6: "f32[u0, 8]" = mul_6 + linear_3;  mul_6 = linear_3 = None
 
-        # File: common.py:53 in forward, code: return F.normalize(x, dim=-1) * valid.unsqueeze(-1)
+        # File: common.py:62 in forward, code: return F.normalize(x, dim=-1) * valid.unsqueeze(-1)
         normalize_1: "f32[u0, 8]" = torch.nn.functional.normalize(add_6, dim = 1);  add_6 = None
         unsqueeze_12: "b8[4, 8, 1]" = valid.unsqueeze(-1);  valid = None
 
@@ -145,7 +145,7 @@ class GraphModule(torch.nn.Module):
         flatten_6: "b8[32, 1]" = unsqueeze_12.flatten(0, 1);  unsqueeze_12 = None
         getitem_21: "b8[u0, 1]" = flatten_6[pack_index_default];  flatten_6 = None
 
-        # File: common.py:53 in forward, code: return F.normalize(x, dim=-1) * valid.unsqueeze(-1)
+        # File: common.py:62 in forward, code: return F.normalize(x, dim=-1) * valid.unsqueeze(-1)
         mul_8: "f32[u0, 8]" = normalize_1 * getitem_21;  normalize_1 = getitem_21 = None
 
         # No stacktrace found for following nodes
