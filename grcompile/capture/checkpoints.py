@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..passes.op_semantics import arg, may_draw_random
+from ..passes.op_semantics import arg, may_draw_random, target_name
 from ..passes.pass_manager import region_policy
 
 __all__ = ["inline_checkpoints", "save_random_draws"]
@@ -136,13 +136,9 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> str | None:
     return None
 
 
-def _target_name(node: fx.Node) -> str:
-    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-
-
 def _library_attention_dropout(node: fx.Node) -> bool:
     """``node`` is an SDPA / ``multi_head_attention_forward`` whose dropout probability is not 0."""
-    name = _target_name(node)
+    name = target_name(node)
     if "scaled_dot_product_attention" in name:  # (query, key, value, attn_mask, dropout_p, ...)
         p, training = arg(node, 4, "dropout_p", 0.0), True
     elif "multi_head_attention_forward" in name:  # (..., add_zero_attn, dropout_p, out_proj_weight, out_proj_bias, training, ...)

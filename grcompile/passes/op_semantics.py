@@ -109,10 +109,14 @@ RANDOM_OPS = frozenset({"rand", "randn", "randint", "randperm", "rand_like", "ra
                         "multinomial", "normal", "poisson", "dropout", "uniform_", "normal_"})
 
 
+def target_name(node: fx.Node) -> str:
+    """The name ``node`` calls: a method's name, a function's or op's ``__name__``."""
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
 def is_random(node: fx.Node) -> bool:
     """``node`` draws random numbers (by name, or an aten op tagged nondeterministic_seeded)."""
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return name in RANDOM_OPS or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+    return target_name(node) in RANDOM_OPS or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
 _RANDOM_NAME_PARTS = ("dropout", "rand", "bernoulli", "gumbel", "rrelu", "normal", "uniform", "exponential",
@@ -123,8 +127,7 @@ def may_draw_random(node: fx.Node) -> bool:
     """``node`` may draw random numbers: ``is_random``, or any op whose name says so
     (``alpha_dropout``, ``rrelu``, ``gumbel_softmax``, ``bernoulli_`` ...) — the cautious test, for
     deciding what must never be recomputed."""
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    return is_random(node) or any(part in name.lower() for part in _RANDOM_NAME_PARTS)
+    return is_random(node) or any(part in target_name(node).lower() for part in _RANDOM_NAME_PARTS)
 
 
 # library ops matched by their qualified name, so that nothing here imports the library

@@ -51,13 +51,7 @@ def pointwise_conv(n: fx.Node) -> bool:
 def linear_addmm(n: fx.Node) -> bool:
     """``addmm(b, x, w)`` that is ``linear(x, w.t(), b)``: no scaling, a 2-D ``x`` and ``w``, a bias
     of one value per output feature."""
-    if n.op == "call_function":
-        try:
-            if n.target is not torch.addmm:
-                return False
-        except TypeError:
-            return False
-    elif not (n.op == "call_method" and n.target == "addmm"):
+    if not ((n.op == "call_function" and n.target is torch.addmm) or (n.op == "call_method" and n.target == "addmm")):
         return False
     if len(n.args) != 3 or any(n.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")) or set(n.kwargs) - {"beta", "alpha"}:
         return False
